@@ -1,0 +1,143 @@
+"""The algorithm contract: a method is a server part, a client part and an optional station part.
+
+The engine (``federation/``) drives these objects and never names a method. Parts talk only through
+``Message`` objects (named arrays + scalars), which is what lets the same classes run in the
+in-process simulator and on Flower.
+
+Round protocol, as the runner executes it::
+
+    server.collect(clients) -> {cid: Message}      # once before round 1 (statistics), optional
+    client.run(msg, ctx)    -> Message
+    server.on_collect(replies)
+    for each round:
+        server.configure(rnd, sampled) -> {cid: Message}     # "fit" tasks
+        client.run(msg, ctx)           -> Message           # trains; returns update + num_examples
+        [station.aggregate(replies)    -> Message]          # hierarchical topologies only
+        server.aggregate(rnd, replies)
+    evaluation: server.eval_arrays(cid) -> arrays | None, then client.eval_arrays(arrays, ctx)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from feddomain.federation.data import ClientData
+from feddomain.federation.messages import Message, weighted_mean
+
+Arrays = dict[str, torch.Tensor]
+
+
+class Hparams(BaseModel):
+    """Base for a method's hyper-parameters: unknown keys are errors, values are typed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class ServerContext:
+    """What a server part may know: how to build the model, and the federation's shape."""
+
+    model_factory: Callable[[], nn.Module]  # a freshly initialised model (seeded by the runner)
+    n_clients: int
+    seed: int
+    rounds: int
+
+
+@dataclass
+class ClientContext:
+    """What a client part gets for one task. ``state`` persists across rounds (kept by the runner,
+    or by the node under Flower); ``model`` is one object reused by every simulated client."""
+
+    cid: int
+    rnd: int
+    model: nn.Module
+    train: ClientData
+    val: ClientData
+    state: Message
+    generator: torch.Generator
+    local_epochs: int
+    batch_size: int
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ServerAlgorithm(ABC):
+    def __init__(self, ctx: ServerContext, hp: Hparams) -> None:
+        self.ctx = ctx
+        self.hp = hp
+
+    def collect(self, clients: list[int]) -> dict[int, Message]:
+        """Messages for a one-time statistics task before round 1 (none by default)."""
+        return {}
+
+    def on_collect(self, replies: dict[int, Message]) -> None:
+        """Receive the replies of the one-time ``collect`` task."""
+
+    @abstractmethod
+    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
+        """One message per participating client for this round."""
+
+    @abstractmethod
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        """Update server state from the (finite, accepted) replies."""
+
+    @abstractmethod
+    def eval_arrays(self, cid: int | None) -> Arrays | None:
+        """Model arrays to evaluate for client ``cid`` (``None``: the model for an unseen domain).
+        Returning the same object for every client tells the runner it is one shared model."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+
+class ClientAlgorithm(ABC):
+    def __init__(self, hp: Hparams) -> None:
+        self.hp = hp
+
+    @abstractmethod
+    def run(self, msg: Message, ctx: ClientContext) -> Message:
+        """Carry out ``msg.task`` ("fit", "collect", ...) and reply."""
+
+    def eval_arrays(self, arrays: Arrays | None, ctx: ClientContext) -> Arrays:
+        """The arrays this client would predict with, given what the server offers."""
+        if arrays is None:
+            raise ValueError(f"client {ctx.cid}: the server offered no model to evaluate")
+        return arrays
+
+
+class StationAlgorithm:
+    """Middle tier of a hierarchical federation: sample-weighted mean of its clients (HFedAvg)."""
+
+    def __init__(self, hp: Hparams) -> None:
+        self.hp = hp
+
+    def aggregate(self, replies: dict[int, Message]) -> Message:
+        arrays, total = weighted_mean(replies.values())
+        return Message("fit", arrays, {"num_examples": total, "num_clients": len(replies)})
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method. ``pooled`` methods (Central) train on all source data as one client."""
+
+    name: str
+    server: type[ServerAlgorithm]
+    client: type[ClientAlgorithm]
+    hparams: type[Hparams] = Hparams
+    station: type[StationAlgorithm] = StationAlgorithm
+    pooled: bool = False
+    description: str = ""
+
+    def make_hparams(self, values: dict[str, Any]) -> Hparams:
+        return self.hparams(**values)

@@ -1,0 +1,88 @@
+"""FedAvg (McMahan et al., AISTATS 2017): clients train the global model, the server averages.
+
+The server step is ``w <- w + server_lr * (mean_i w_i - w)`` with sample-count weights, which is
+plain averaging at the default ``server_lr = 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from feddomain.algorithms.base import (
+    Arrays,
+    ClientAlgorithm,
+    ClientContext,
+    Hparams,
+    MethodSpec,
+    ServerAlgorithm,
+    ServerContext,
+)
+from feddomain.algorithms.registry import register
+from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.training import get_arrays, set_arrays, train_epochs
+
+
+class FedAvgHparams(Hparams):
+    server_lr: float = Field(1.0, gt=0.0)
+
+
+class FedAvgServer(ServerAlgorithm):
+    def __init__(self, ctx: ServerContext, hp: Hparams) -> None:
+        super().__init__(ctx, hp)
+        self.global_arrays: Arrays = get_arrays(ctx.model_factory())
+
+    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
+        broadcast = Message("fit", self.global_arrays)
+        return dict.fromkeys(clients, broadcast)
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        mean, _ = weighted_mean(replies.values())
+        lr = getattr(self.hp, "server_lr", 1.0)
+        if lr == 1.0:
+            self.global_arrays = mean
+            return
+        self.global_arrays = {
+            k: (w + lr * (mean[k] - w)) if w.is_floating_point() else mean[k]
+            for k, w in self.global_arrays.items()
+        }
+
+    def eval_arrays(self, cid: int | None) -> Arrays:
+        return self.global_arrays
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global": self.global_arrays}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_arrays = state["global"]
+
+
+class FedAvgClient(ClientAlgorithm):
+    """Load the received model, train E local epochs, return the trained arrays."""
+
+    def run(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
+        stats = train_epochs(
+            ctx.model, ctx.train, optimizer,
+            epochs=ctx.local_epochs, batch_size=ctx.batch_size, generator=ctx.generator,
+            regularizer=self.regularizer(msg, ctx),
+        )
+        return Message("fit", get_arrays(ctx.model), {
+            "num_examples": len(ctx.train), "loss": stats.mean_loss,
+        })
+
+    def regularizer(self, msg: Message, ctx: ClientContext):  # noqa: ANN201 - hook for subclasses
+        """Extra loss term added to every batch (none for FedAvg)."""
+        return None
+
+
+def global_parameters(msg: Message, ctx: ClientContext) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Pairs (local parameter, received global value) for proximal-style regularisers."""
+    return [(p, msg.arrays[name]) for name, p in ctx.model.named_parameters()]
+
+
+register(MethodSpec("fedavg", FedAvgServer, FedAvgClient, FedAvgHparams,
+                    description="FedAvg: sample-weighted parameter averaging"))

@@ -1,0 +1,37 @@
+"""FedProx (Li et al., MLSys 2020): FedAvg plus the proximal term (mu/2)·||w - w_global||²."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from pydantic import Field
+
+from feddomain.algorithms.base import ClientContext, MethodSpec
+from feddomain.algorithms.fedavg import (
+    FedAvgClient,
+    FedAvgHparams,
+    FedAvgServer,
+    global_parameters,
+)
+from feddomain.algorithms.registry import register
+from feddomain.federation.messages import Message
+
+
+class FedProxHparams(FedAvgHparams):
+    mu: float = Field(0.01, ge=0.0)
+
+
+class FedProxClient(FedAvgClient):
+    def regularizer(self, msg: Message, ctx: ClientContext) -> Callable[[], torch.Tensor]:
+        pairs = global_parameters(msg, ctx)
+        mu = self.hp.mu
+
+        def proximal() -> torch.Tensor:
+            return 0.5 * mu * sum((p - g).pow(2).sum() for p, g in pairs)
+
+        return proximal
+
+
+register(MethodSpec("fedprox", FedAvgServer, FedProxClient, FedProxHparams,
+                    description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2"))

@@ -1,0 +1,64 @@
+"""Local-only: every client trains alone from the common initialisation; nothing is averaged.
+
+The server sends the initial model once to each client (so all methods start from the same
+weights) and never receives parameters back. Each client evaluates its own model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from feddomain.algorithms.base import (
+    Arrays,
+    ClientAlgorithm,
+    ClientContext,
+    Hparams,
+    MethodSpec,
+    ServerAlgorithm,
+)
+from feddomain.algorithms.registry import register
+from feddomain.federation.messages import Message
+from feddomain.federation.training import get_arrays, set_arrays, train_epochs
+
+
+class LocalServer(ServerAlgorithm):
+    def __init__(self, ctx, hp) -> None:  # noqa: ANN001 - same signature as the base
+        super().__init__(ctx, hp)
+        self.initial: Arrays = get_arrays(ctx.model_factory())
+        self.started: set[int] = set()
+
+    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
+        plan = {c: Message("fit") if c in self.started else Message("fit", self.initial) for c in clients}
+        self.started.update(clients)
+        return plan
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        """Nothing to aggregate."""
+
+    def eval_arrays(self, cid: int | None) -> Arrays:
+        return self.initial
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial": self.initial, "started": sorted(self.started)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.initial, self.started = state["initial"], set(state["started"])
+
+
+class LocalClient(ClientAlgorithm):
+    def run(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays or ctx.state.arrays)
+        optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
+        stats = train_epochs(
+            ctx.model, ctx.train, optimizer,
+            epochs=ctx.local_epochs, batch_size=ctx.batch_size, generator=ctx.generator,
+        )
+        ctx.state.arrays = get_arrays(ctx.model)
+        return Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
+
+    def eval_arrays(self, arrays: Arrays | None, ctx: ClientContext) -> Arrays:
+        return ctx.state.arrays or arrays
+
+
+register(MethodSpec("local", LocalServer, LocalClient, Hparams,
+                    description="Local-only: each client trains alone"))

@@ -1,0 +1,210 @@
+"""Experiment schema: YAML files plus dotted command-line overrides, validated before any work.
+
+Every section is a pydantic model with ``extra="forbid"``, so a misspelt key fails at load time with
+a message naming the key and the closest valid one. Method-specific hyper-parameters live under
+``algorithm:`` and are validated by the schema the method registers (see ``algorithms.base``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from feddomain.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(Section):
+    name: str = "digits_embedded"
+    root: str | None = None  # directory holding <Dataset>/<domain>/<class>/...; not needed for embedded
+    resolution: int = Field(32, ge=8, le=512)
+    cache_dir: str | None = None
+    skip_corrupt: bool = False
+
+
+class SplitConfig(Section):
+    # "lodo": each target domain in `targets` held out in turn (all domains when targets is None);
+    # "official": PACS-style official per-domain train/crossval lists for id validation;
+    # otherwise a scheme "<train letters>-<val letter>-<test letter>", e.g. "ac-p-s".
+    scheme: str = "lodo"
+    targets: list[str] | None = None
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    official_lists: bool = False
+    few_shot: int = Field(0, ge=0)
+    few_shot_per_class: bool = True
+
+
+class PartitionConfig(Section):
+    name: Literal["domains_per_client", "lambda", "dirichlet"] = "domains_per_client"
+    n_clients: int = Field(3, ge=1)
+    d: int = Field(1, ge=1)
+    lam: float = Field(0.1, ge=0.0, le=1.0)
+    alpha: float = Field(1.0, gt=0.0)
+
+
+class TopologyConfig(Section):
+    sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    stations: int = Field(0, ge=0)  # 0: flat federation (clients -> server)
+    station_rounds: int = Field(1, ge=1)
+    station_assignment: Literal["contiguous", "round_robin", "random_balanced"] = "contiguous"
+
+
+class ModelConfig(Section):
+    name: str = "lenet5"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class AugmentSection(Section):
+    hflip: bool = False
+    random_resized_crop: tuple[float, float] | None = None
+    color_jitter: tuple[float, float, float, float] | None = None
+    grayscale_p: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TrainConfig(Section):
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(1e-3, gt=0.0)
+    momentum: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    augment: AugmentSection = Field(default_factory=AugmentSection)
+    # per-channel normalisation; None keeps inputs in [0, 1] (hFedF's protocol)
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+
+
+class EvalConfig(Section):
+    every: int = Field(5, ge=1)
+    batch_size: int = Field(512, ge=1)
+    selection: Literal["source_val", "last", "oracle"] = "source_val"
+
+
+class CheckpointConfig(Section):
+    every: int = Field(5, ge=0)  # 0 disables checkpoints
+
+
+class AlgorithmConfig(BaseModel):
+    """``name`` picks the method; every other key is that method's hyper-parameter."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+    label: str | None = None  # how reports name this run (e.g. an ablation); default: name
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ExperimentConfig(Section):
+    name: str = "experiment"
+    seed: int = 0
+    rounds: int = Field(30, ge=1)
+    threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _algorithm_from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(raw).__name__}")
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate_config(raw, source=str(path) if path else "defaults")
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. rounds=50)")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if isinstance(child, str) and part == "algorithm":  # the `algorithm: fedavg` shorthand
+            child = node[part] = {"name": child}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        node[parts[-1]] = text
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    try:
+        cfg = ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, source)) from None
+    _check_algorithm(cfg)
+    return cfg
+
+
+def _check_algorithm(cfg: ExperimentConfig) -> None:
+    from feddomain.algorithms import algorithm_hparams  # late: algorithms import this module
+
+    algorithm_hparams(cfg.algorithm.name, cfg.algorithm.hparams)
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key '{key}'{_suggest(e['loc'])}")
+        else:
+            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _suggest(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    return closest(str(loc[-1]), list(model.model_fields), prefix=".".join(map(str, loc[:-1])))
+
+
+def closest(word: str, options: list[str], prefix: str = "") -> str:
+    """'; did you mean X?' for the nearest option, or '' when nothing is close."""
+    match = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    if not match:
+        return f"; valid keys: {', '.join(sorted(options))}"
+    return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?"

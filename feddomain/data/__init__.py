@@ -1,0 +1,5 @@
+"""Data layer: sources -> decode-once cache -> splits -> client partitions -> batched augmentation."""
+
+from feddomain.data.dataset import DomainDataset
+
+__all__ = ["DomainDataset"]

@@ -1,0 +1,164 @@
+"""From a config to a federation's data: dataset -> domain split -> client partition -> local
+train/validation splits (+ few-shot target samples) -> stations.
+
+Each client's images are copied once into a contiguous tensor, so the training loop only slices
+memory. Every step is seeded from the experiment seed with its own stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from feddomain.config import ExperimentConfig
+from feddomain.data.augment import AugmentConfig, BatchAugment
+from feddomain.data.dataset import DomainDataset
+from feddomain.data.partitioners import partition
+from feddomain.data.partitioners.stations import assign_stations
+from feddomain.data.sources import load_dataset, official_split_indices
+from feddomain.data.splits import DomainSplit, few_shot, holdout, leave_one_domain_out, parse_scheme
+from feddomain.errors import ConfigError
+from feddomain.federation.data import ClientData
+from feddomain.federation.topology import derive_seed
+
+VAL_STREAM, FEW_SHOT_STREAM = 101, 102
+
+
+@dataclass
+class FederatedData:
+    """Everything the runner needs about data for one (split, seed)."""
+
+    dataset: str
+    domains: tuple[str, ...]
+    classes: tuple[str, ...]
+    split: DomainSplit
+    train: list[ClientData]
+    val: list[ClientData]
+    client_domain_counts: np.ndarray  # [n_clients, n_domains] training samples per domain
+    targets: dict[str, ClientData]  # ood test sets, one per test domain
+    ood_val: dict[str, ClientData]  # held-out validation domains (schemes like "ac-p-s")
+    stations: list[np.ndarray] | None = None  # client ids per station
+
+    @property
+    def n_clients(self) -> int:
+        return len(self.train)
+
+    def pooled(self) -> FederatedData:
+        """One client holding every client's training and validation data (Central)."""
+        return replace(
+            self,
+            train=[ClientData.concat(self.train)],
+            val=[ClientData.concat(self.val)],
+            client_domain_counts=self.client_domain_counts.sum(0, keepdims=True),
+            stations=None,
+        )
+
+
+def load_experiment_dataset(cfg: ExperimentConfig) -> DomainDataset:
+    d = cfg.dataset
+    root = Path(d.root).expanduser() if d.root else None
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else None
+    return load_dataset(d.name, root, d.resolution, cache, skip_corrupt=d.skip_corrupt)
+
+
+def experiment_splits(cfg: ExperimentConfig, dataset: DomainDataset) -> list[DomainSplit]:
+    """The domain splits a config asks for: one per target under leave-one-domain-out."""
+    scheme = cfg.split.scheme
+    if scheme == "lodo":
+        splits = leave_one_domain_out(dataset.domains)
+        if cfg.split.targets is None:
+            return splits
+        unknown = sorted(set(cfg.split.targets) - set(dataset.domains))
+        if unknown:
+            raise ConfigError(
+                f"split.targets {unknown} are not domains of {dataset.name}: {list(dataset.domains)}"
+            )
+        return [s for s in splits if s.test[0] in cfg.split.targets]
+    return [parse_scheme(scheme, dataset.domains)]
+
+
+def build_federated_data(
+    cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit
+) -> FederatedData:
+    seed = cfg.seed
+    train_parts, val_parts = _client_indices(cfg, dataset, split)
+    target_sets = {d: dataset.indices_of(d) for d in split.test}
+    if cfg.split.few_shot:
+        train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
+
+    train_tf = BatchAugment(AugmentConfig(**cfg.train.augment.model_dump()), cfg.train.mean, cfg.train.std)
+    eval_tf = BatchAugment(AugmentConfig(), cfg.train.mean, cfg.train.std)
+
+    def subset(idx: np.ndarray, transform: BatchAugment) -> ClientData:
+        index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+        return ClientData(dataset.images[index].contiguous(), dataset.labels[index].clone(), transform)
+
+    n_domains = len(dataset.domains)
+    counts = np.stack([np.bincount(dataset.domain_ids.numpy()[p], minlength=n_domains) for p in train_parts])
+    stations = None
+    if cfg.topology.stations:
+        if cfg.topology.stations > len(train_parts):
+            raise ConfigError(
+                f"topology.stations={cfg.topology.stations} exceeds partition.n_clients={len(train_parts)}"
+            )
+        stations = assign_stations(
+            len(train_parts), cfg.topology.stations, cfg.topology.station_assignment, seed=seed
+        )
+    return FederatedData(
+        dataset=dataset.name,
+        domains=dataset.domains,
+        classes=dataset.classes,
+        split=split,
+        train=[subset(p, train_tf) for p in train_parts],
+        val=[subset(p, eval_tf) for p in val_parts],
+        client_domain_counts=counts,
+        targets={d: subset(i, eval_tf) for d, i in target_sets.items()},
+        ood_val={d: subset(dataset.indices_of(d), eval_tf) for d in split.val},
+        stations=stations,
+    )
+
+
+def _client_indices(
+    cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Partition the source domains over clients, then hold out each client's validation part."""
+    p, seed = cfg.partition, cfg.seed
+    params = {"domains_per_client": {"d": p.d}, "lambda": {"lam": p.lam}, "dirichlet": {"alpha": p.alpha}}
+    if cfg.split.official_lists:
+        # Official lists fix train vs validation per domain; both are partitioned with the same
+        # seeded plan, so each client's validation share comes from its own domain parts.
+        root = Path(cfg.dataset.root).expanduser() if cfg.dataset.root else None
+        tr = [official_split_indices(dataset, root, d, "train") for d in split.train]
+        va = [official_split_indices(dataset, root, d, "crossval") for d in split.train]
+        train = partition(p.name, tr, p.n_clients, seed=seed, **params[p.name])
+        val = partition(p.name, va, p.n_clients, seed=seed, **params[p.name])
+        return train, val
+    groups = [dataset.indices_of(d) for d in split.train]
+    parts = partition(p.name, groups, p.n_clients, seed=seed, **params[p.name])
+    pairs = [
+        holdout(part, cfg.split.val_fraction, seed=derive_seed(seed, VAL_STREAM, cid))
+        for cid, part in enumerate(parts)
+    ]
+    return [tr for tr, _ in pairs], [va for _, va in pairs]
+
+
+def _add_few_shot(
+    cfg: ExperimentConfig,
+    dataset: DomainDataset,
+    train_parts: list[np.ndarray],
+    target_sets: dict[str, np.ndarray],
+) -> list[np.ndarray]:
+    """Give each client k labelled target samples and remove them from the ood sets (in place)."""
+    labels = dataset.labels.numpy()
+    out = [np.asarray(p) for p in train_parts]
+    for j, (domain, idx) in enumerate(target_sets.items()):
+        shots, remaining = few_shot(
+            idx, labels[idx], cfg.split.few_shot, len(out),
+            seed=derive_seed(cfg.seed, FEW_SHOT_STREAM, j), per_class=cfg.split.few_shot_per_class,
+        )
+        out = [np.concatenate([p, s]) for p, s in zip(out, shots, strict=True)]
+        target_sets[domain] = remaining
+    return out

@@ -1,0 +1,451 @@
+"""``feddomain report``: collect finished runs, select a round per run, and tabulate and plot.
+
+A run directory holds ``summary.json``, ``metrics.jsonl`` and ``config.yaml``. Numbers in the
+tables come from ``metrics.jsonl`` under an explicit selection rule (``selection.py``), not from
+the summary alone, so one set of runs can be reported under every rule. Runs are grouped by
+(algorithm label, dataset, target domain(s)) and summarised as mean ± std over seeds.
+
+Malformed input is an error naming the file, because a silently dropped seed would change a
+mean ± std without a trace. The one exception is an unfinished run (``metrics.jsonl`` or
+``config.yaml`` without ``summary.json``): it is skipped and listed in ``Report.warnings``, so a
+report can be made while other runs are still going.
+
+Plots use matplotlib's object API (``Figure``), which never touches pyplot's global backend.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from feddomain.errors import ConfigError, DataError
+from feddomain.evaluation.selection import RULES, select
+
+RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
+METRICS = ("ood_acc", "id_acc", "ood_ece")
+METRIC_TITLES = {"ood_acc": "ood accuracy", "id_acc": "id accuracy", "ood_ece": "ood ECE"}
+CSV_COLUMNS = (
+    "kind", "algorithm", "dataset", "target", "selection", "seed", "n_seeds", "selected_round",
+    "ood_acc", "ood_acc_std", "id_acc", "id_acc_std", "ood_ece", "ood_ece_std", "path",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One finished run with the metrics record its selection rule chose."""
+
+    path: Path
+    algorithm: str
+    dataset: str
+    targets: tuple[str, ...]
+    seed: int
+    selected: dict
+    records: list[dict]
+    summary: dict
+
+    @property
+    def target(self) -> str:
+        return "+".join(self.targets)
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample std (ddof = 1) over seeds; std is 0.0 for a single seed, flagged in cells."""
+
+    mean: float
+    std: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stat:
+        arr = np.asarray(values, dtype=np.float64)
+        std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
+        return cls(mean=float(arr.mean()), std=std, n=int(arr.size))
+
+    def cell(self) -> str:
+        """Percentages with one decimal, as in the papers' tables."""
+        text = f"{100 * self.mean:.1f} ± {100 * self.std:.1f}"
+        return text + " (1 seed)" if self.n == 1 else text
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """All seeds of one (algorithm, dataset, target) cell."""
+
+    algorithm: str
+    dataset: str
+    target: str
+    runs: tuple[RunResult, ...]
+    stats: dict[str, Stat]
+
+
+@dataclass
+class Report:
+    selection: str
+    runs: list[RunResult]
+    groups: list[GroupResult]
+    warnings: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+    def to_markdown(self) -> str:
+        """One method x target table per dataset and metric, with an unweighted ``avg`` column."""
+        oracle = self.selection == "oracle"
+        rule = "ORACLE (selects on target-domain data)" if oracle else self.selection
+        lines = [
+            f"# feddomain report — model selection: {rule}",
+            "",
+            "Cells: mean ± std over seeds in %, sample std (ddof = 1); a single seed shows "
+            "± 0.0 (1 seed). avg: unweighted mean over targets, only when every target has runs.",
+        ]
+        for dataset in sorted({g.dataset for g in self.groups}):
+            for metric in METRICS:
+                lines += ["", f"## {dataset} — {METRIC_TITLES[metric]} (%)", ""]
+                lines += self._table(dataset, metric)
+        if self.warnings:
+            lines += ["", "## Notes", ""] + [f"- {w}" for w in self.warnings]
+        return "\n".join(lines) + "\n"
+
+    def _table(self, dataset: str, metric: str) -> list[str]:
+        groups = {(g.algorithm, g.target): g for g in self.groups if g.dataset == dataset}
+        targets = sorted({t for _, t in groups})
+        lines = [
+            "| method | " + " | ".join(targets) + " | avg | seeds |",
+            "|---" * (len(targets) + 3) + "|",
+        ]
+        for algo in sorted({a for a, _ in groups}):
+            cells = [groups.get((algo, t)) for t in targets]
+            present = [g for g in cells if g is not None]
+            means = [g.stats[metric].mean for g in present]
+            avg = f"{100 * sum(means) / len(means):.1f}" if len(present) == len(targets) else "—"
+            seeds = sorted({len(g.runs) for g in present})
+            seed_text = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+            row = [g.stats[metric].cell() if g else "—" for g in cells]
+            lines.append(f"| {algo} | " + " | ".join(row) + f" | {avg} | {seed_text} |")
+        return lines
+
+    def rows(self) -> list[dict]:
+        """CSV rows: one per run, then one per group; values are fractions, not percentages."""
+        rows = []
+        for run in self.runs:
+            row = _base_row("run", run.algorithm, run.dataset, run.target, self.selection)
+            row.update(seed=run.seed, selected_round=run.selected["selected_round"], path=run.path)
+            row.update({m: run.selected[m] for m in METRICS})
+            rows.append(row)
+        for g in self.groups:
+            row = _base_row("group", g.algorithm, g.dataset, g.target, self.selection)
+            row["n_seeds"] = len(g.runs)
+            for m in METRICS:
+                row[m], row[f"{m}_std"] = g.stats[m].mean, g.stats[m].std
+            rows.append(row)
+        return rows
+
+
+def _base_row(kind: str, algorithm: str, dataset: str, target: str, selection: str) -> dict:
+    row = dict.fromkeys(CSV_COLUMNS, "")
+    row.update(kind=kind, algorithm=algorithm, dataset=dataset, target=target, selection=selection)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading run directories
+
+
+def find_runs(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(finished run dirs, unfinished ones) found anywhere under ``dirs``."""
+    found: set[Path] = set()
+    for root in dirs:
+        root = Path(root)
+        if not root.is_dir():
+            raise DataError(f"report input {root} is not a directory")
+        for name in RUN_FILES:
+            found.update(p.parent for p in root.rglob(name))
+    finished = sorted(d for d in found if (d / "summary.json").is_file())
+    unfinished = sorted(found.difference(finished))
+    return finished, unfinished
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: cannot read JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Per-round records of ``metrics.jsonl``; blank lines are ignored."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read ({err})") from err
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not valid JSON ({err})") from err
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object per line")
+        records.append(rec)
+    return records
+
+
+def _summary_fields(path: Path, summary: dict) -> tuple[str, str, tuple[str, ...], int]:
+    for key in ("algorithm", "dataset", "target_domains", "seed"):
+        if key not in summary:
+            raise DataError(f"{path}: missing key {key!r}")
+    algorithm, dataset, targets, seed = (
+        summary["algorithm"], summary["dataset"], summary["target_domains"], summary["seed"]
+    )  # fmt: skip
+    if not isinstance(algorithm, str) or not isinstance(dataset, str):
+        raise DataError(f"{path}: 'algorithm' and 'dataset' must be strings")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise DataError(
+            f"{path}: 'target_domains' must be a non-empty list of names, got {targets!r}"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise DataError(f"{path}: 'seed' must be an integer, got {seed!r}")
+    return algorithm, dataset, tuple(targets), seed
+
+
+def load_run(run_dir: Path, selection: str) -> tuple[RunResult, list[str]]:
+    """One run and any warnings about it (summary disagreeing with its own metrics)."""
+    for name in RUN_FILES:
+        if not (run_dir / name).is_file():
+            raise DataError(f"run directory {run_dir} has summary.json but no {name}")
+    summary = _read_json(run_dir / "summary.json")
+    algorithm, dataset, targets, seed = _summary_fields(run_dir / "summary.json", summary)
+    metrics_path = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics_path)
+    try:
+        chosen = select(records, selection)
+    except DataError as err:
+        raise DataError(f"{metrics_path}: {err}") from err
+    records.sort(key=lambda r: r["round"])  # select() checked every record has a unique round
+    for metric in METRICS:
+        value = chosen.get(metric)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise DataError(
+                f"{metrics_path}: round {chosen['round']} has no numeric {metric!r} (got {value!r})"
+            )
+    run = RunResult(run_dir, algorithm, dataset, targets, seed, chosen, records, summary)
+    return run, _consistency_warnings(run, selection)
+
+
+def _consistency_warnings(run: RunResult, selection: str) -> list[str]:
+    """Flag a summary whose own selection disagrees with what metrics.jsonl gives for it."""
+    if run.summary.get("selection") != selection:
+        return []
+    out = []
+    for metric in ("ood_acc", "id_acc"):
+        value = run.summary.get(metric)
+        if isinstance(value, int | float) and not math.isclose(
+            value, run.selected[metric], abs_tol=1e-6
+        ):
+            out.append(
+                f"{run.path}: summary {metric}={value} but metrics.jsonl gives "
+                f"{run.selected[metric]} at round {run.selected['selected_round']} "
+                f"under {selection!r}; the table uses metrics.jsonl"
+            )
+    return out
+
+
+def _group(runs: list[RunResult]) -> list[GroupResult]:
+    by_key: dict[tuple[str, str, str], list[RunResult]] = {}
+    for run in runs:
+        by_key.setdefault((run.algorithm, run.dataset, run.target), []).append(run)
+    groups = []
+    for (algorithm, dataset, target), members in sorted(by_key.items()):
+        seen: dict[int, Path] = {}
+        for run in members:
+            if run.seed in seen:
+                raise DataError(
+                    f"runs {seen[run.seed]} and {run.path} are both {algorithm} on {dataset}/"
+                    f"{target} with seed {run.seed}; keep one so seeds are not double-counted"
+                )
+            seen[run.seed] = run.path
+        members.sort(key=lambda r: r.seed)
+        stats = {m: Stat.of([r.selected[m] for r in members]) for m in METRICS}
+        groups.append(GroupResult(algorithm, dataset, target, tuple(members), stats))
+    return groups
+
+
+def build_report(
+    dirs: list[Path], *, selection: str = "source_val", out: Path | None = None
+) -> Report:
+    """Read every run under ``dirs``; when ``out`` is given write report.md, report.csv, plots."""
+    if selection not in RULES:
+        raise ConfigError(f"unknown selection rule {selection!r}; choose one of {list(RULES)}")
+    finished, unfinished = find_runs([Path(d) for d in dirs])
+    if not finished:
+        raise DataError(f"no finished runs (directories with summary.json) under {list(dirs)}")
+    warnings = [f"skipped unfinished run {d} (no summary.json)" for d in unfinished]
+    runs = []
+    for run_dir in finished:
+        run, notes = load_run(run_dir, selection)
+        runs.append(run)
+        warnings += notes
+    report = Report(selection, runs, _group(runs), warnings)
+    if out is not None:
+        write_outputs(report, Path(out))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_outputs(report: Report, out: Path) -> None:
+    """report.md, report.csv and the PNG plots into ``out``; paths appended to ``report.files``."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "report.md"
+    md.write_text(report.to_markdown())
+    table = out / "report.csv"
+    with table.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(report.rows())
+    report.files += [md, table]
+    for (dataset, target), groups in _by_target(report.groups).items():
+        stem = _slug(f"{dataset}_{target}")
+        report.files.append(_plot_curves(groups, out / f"curves_{stem}.png"))
+        for path, plot in (
+            (out / f"reliability_{stem}.png", _plot_reliability),
+            (out / f"confidence_{stem}.png", _plot_confidence),
+        ):
+            if plot(groups, path):
+                report.files.append(path)
+
+
+def _by_target(groups: list[GroupResult]) -> dict[tuple[str, str], list[GroupResult]]:
+    out: dict[tuple[str, str], list[GroupResult]] = {}
+    for g in groups:
+        out.setdefault((g.dataset, g.target), []).append(g)
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
+
+
+def _mean_curve(group: GroupResult, metric: str) -> tuple[list[int], list[float]]:
+    """Mean over seeds at the rounds every seed evaluated."""
+    per_seed = [{r["round"]: r[metric] for r in run.records if metric in r} for run in group.runs]
+    rounds = sorted(set.intersection(*(set(s) for s in per_seed)))
+    return rounds, [float(np.mean([s[r] for s in per_seed])) for r in rounds]
+
+
+def _plot_curves(groups: list[GroupResult], path: Path) -> Path:
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, metric in zip(axes, ("id_acc", "ood_acc"), strict=True):
+        for g in groups:
+            rounds, values = _mean_curve(g, metric)
+            ax.plot(rounds, values, marker=".", label=f"{g.algorithm} ({len(g.runs)} seeds)")
+        ax.set(title=METRIC_TITLES[metric], xlabel="round", ylabel="accuracy")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize="small")
+    fig.suptitle(f"{groups[0].dataset}, target {groups[0].target} (mean over seeds)")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _pooled_reliability(group: GroupResult) -> dict[str, np.ndarray] | None:
+    """Sum bin counts over seeds; confidence and accuracy are count-weighted means."""
+    tables = [
+        (run.path, run.summary["reliability"]["ood"])
+        for run in group.runs
+        if isinstance(run.summary.get("reliability"), dict) and "ood" in run.summary["reliability"]
+    ]
+    if not tables:
+        return None
+    n_bins = len(tables[0][1]["count"])
+    count, conf, acc = np.zeros(n_bins), np.zeros(n_bins), np.zeros(n_bins)
+    for path, t in tables:
+        if not all(len(t.get(k, ())) == n_bins for k in ("count", "conf", "acc")):
+            raise DataError(
+                f"{path}/summary.json: reliability.ood needs count/conf/acc lists of {n_bins} bins"
+            )
+        c = np.asarray(t["count"], dtype=np.float64)
+        count += c
+        conf += c * np.asarray(t["conf"], dtype=np.float64)
+        acc += c * np.asarray(t["acc"], dtype=np.float64)
+    safe = np.maximum(count, 1)
+    return {"count": count, "conf": conf / safe, "acc": acc / safe}
+
+
+def _plot_reliability(groups: list[GroupResult], path: Path) -> bool:
+    pooled = [(g, _pooled_reliability(g)) for g in groups]
+    pooled = [(g, p) for g, p in pooled if p is not None]
+    if not pooled:
+        return False
+    fig = Figure(figsize=(3.2 * len(pooled), 3.4), layout="constrained")
+    axes = fig.subplots(1, len(pooled), squeeze=False)[0]
+    for ax, (g, p) in zip(axes, pooled, strict=True):
+        n_bins = len(p["count"])
+        centres = (np.arange(n_bins) + 0.5) / n_bins
+        used = p["count"] > 0
+        ax.bar(centres[used], p["acc"][used], width=1 / n_bins, edgecolor="black", label="accuracy")
+        ax.plot(p["conf"][used], p["conf"][used], "r.", label="mean confidence")
+        ax.plot([0, 1], [0, 1], "k--", linewidth=0.8)
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", title=g.algorithm)
+    axes[0].set_ylabel("accuracy")
+    axes[0].legend(fontsize="small", loc="upper left")
+    fig.suptitle(f"ood reliability, {groups[0].dataset} target {groups[0].target} (summary model)")
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def _pooled_histogram(group: GroupResult) -> dict[str, dict[str, np.ndarray]]:
+    """{split: {"correct": counts, "incorrect": counts}} summed over the seeds that logged it."""
+    pooled: dict[str, dict[str, np.ndarray]] = {}
+    for run in group.runs:
+        hist = run.summary.get("confidence_hist")
+        if not isinstance(hist, dict):
+            continue
+        for split, parts in hist.items():
+            for kind in ("correct", "incorrect"):
+                counts = np.asarray(parts.get(kind, []), dtype=np.float64)
+                slot = pooled.setdefault(split, {}).setdefault(kind, np.zeros_like(counts))
+                if slot.shape != counts.shape:
+                    raise DataError(
+                        f"{run.path}/summary.json: confidence_hist.{split}.{kind} has "
+                        f"{counts.size} bins, other seeds have {slot.size}"
+                    )
+                slot += counts
+    return pooled
+
+
+def _plot_confidence(groups: list[GroupResult], path: Path) -> bool:
+    pooled = [(g, h) for g in groups if (h := _pooled_histogram(g))]
+    if not pooled:
+        return False
+    splits = sorted({s for _, h in pooled for s in h})
+    fig = Figure(figsize=(3.6 * len(splits), 2.8 * len(pooled)), layout="constrained")
+    axes = fig.subplots(len(pooled), len(splits), squeeze=False)
+    for row, (g, hist) in zip(axes, pooled, strict=True):
+        for ax, split in zip(row, splits, strict=True):
+            for kind, colour in (("correct", "tab:green"), ("incorrect", "tab:red")):
+                counts = hist.get(split, {}).get(kind)
+                if counts is None or counts.sum() == 0:
+                    continue
+                edges = np.linspace(0, 1, counts.size + 1)
+                density = counts / (counts.sum() / counts.size)  # integrates to 1 over [0, 1]
+                ax.stairs(density, edges, color=colour, label=kind)
+            ax.set(title=f"{g.algorithm} — {split}", xlim=(0, 1), xlabel="max probability")
+    axes[0][0].set_ylabel("density")
+    axes[0][0].legend(fontsize="small", loc="upper left")
+    fig.suptitle(f"confidence, {groups[0].dataset} target {groups[0].target} (summary model)")
+    fig.savefig(path, dpi=100)
+    return True

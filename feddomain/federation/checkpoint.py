@@ -1,0 +1,48 @@
+"""Atomic run checkpoints: written to a temporary file, fsynced, then renamed over the old one,
+so a run killed at any instant leaves either the previous checkpoint or the new one, never half."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from feddomain.errors import FeddomainError
+
+FILENAME = "checkpoint.pt"
+
+
+def save(run_dir: Path, state: dict[str, Any]) -> None:
+    path = run_dir / FILENAME
+    tmp = run_dir / (FILENAME + ".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(run_dir: Path) -> dict[str, Any] | None:
+    """The saved state, or None when the run has no checkpoint yet."""
+    path = run_dir / FILENAME
+    (run_dir / (FILENAME + ".tmp")).unlink(missing_ok=True)  # a save interrupted mid-write
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable checkpoint gets the same clear message
+        raise FeddomainError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
+            "delete it to restart the run from round 1"
+        ) from None
+
+
+def remove(run_dir: Path) -> None:
+    (run_dir / FILENAME).unlink(missing_ok=True)

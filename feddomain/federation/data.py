@@ -1,0 +1,51 @@
+"""A client's local data: contiguous in-memory tensors, batched by slicing — no per-batch I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+Transform = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
+
+
+@dataclass
+class ClientData:
+    """Inputs (uint8 images or float features) and labels of one client split.
+
+    ``transform`` turns a sliced batch into model input (augmentation + normalisation for training,
+    normalisation only for evaluation); ``None`` passes float features through unchanged.
+    """
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    transform: Transform | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def batches(
+        self, batch_size: int, generator: torch.Generator | None = None, *, shuffle: bool = True
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch of (x, y) batches; the order (and augmentation) is drawn from ``generator``."""
+        n = len(self)
+        order = torch.randperm(n, generator=generator) if shuffle else None
+        for start in range(0, n, batch_size):
+            if order is None:
+                x, y = self.inputs[start:start + batch_size], self.labels[start:start + batch_size]
+            else:
+                idx = order[start:start + batch_size]
+                x, y = self.inputs[idx], self.labels[idx]
+            yield (self.transform(x, generator) if self.transform else x), y
+
+    def with_transform(self, transform: Transform | None) -> ClientData:
+        return ClientData(self.inputs, self.labels, transform)
+
+    @staticmethod
+    def concat(parts: list[ClientData]) -> ClientData:
+        return ClientData(
+            torch.cat([p.inputs for p in parts]),
+            torch.cat([p.labels for p in parts]),
+            parts[0].transform if parts else None,
+        )

@@ -1,0 +1,370 @@
+"""In-process simulator: drives any registered method over clients (and optional stations).
+
+One model object serves every simulated client (memory does not grow with the number of
+clients); only per-client *state* that a method keeps (e.g. Local-only's models) does. Messages
+are copied on delivery, so client code can never alias server state. Every random draw derives
+from (seed, purpose, round, client), so a run resumed from a checkpoint replays exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from feddomain.algorithms import get_method
+from feddomain.algorithms.base import ClientContext, ServerContext, StationAlgorithm
+from feddomain.config import ExperimentConfig
+from feddomain.data.federated import FederatedData
+from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
+from feddomain.evaluation.selection import select
+from feddomain.federation import checkpoint
+from feddomain.federation.messages import Message
+from feddomain.federation.topology import (
+    CLIENT_TRAIN,
+    INIT,
+    SERVER,
+    derive_seed,
+    generator,
+    sampling_stream,
+)
+from feddomain.federation.training import predict_probs, set_arrays
+from feddomain.models import build_model
+
+log = logging.getLogger("feddomain")
+
+
+def make_optimizer_factory(cfg: ExperimentConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    t = cfg.train
+    if t.optimizer == "adam":
+        return lambda params: torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
+    return lambda params: torch.optim.SGD(
+        params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+    )
+
+
+class Simulation:
+    """Runs one (config, split, seed) and writes ``metrics.jsonl``, checkpoints and the summary."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        data: FederatedData,
+        out_dir: Path,
+        *,
+        progress: Callable[[int, dict[str, Any] | None], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = get_method(cfg.algorithm.name)
+        self.hp = self.spec.make_hparams(cfg.algorithm.hparams)
+        self.data = data.pooled() if self.spec.pooled else data
+        self.out = out_dir
+        self.progress = progress
+        n_classes = len(data.classes)
+        self._build = lambda: build_model(
+            cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
+        )
+        self.model = self._init_model()
+        self.server = self.spec.server(
+            ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds), self.hp
+        )
+        self.client = self.spec.client(self.hp)
+        self.station: StationAlgorithm | None = (
+            self.spec.station(self.hp) if self.data.stations is not None else None
+        )
+        self.states = [Message("state") for _ in range(self.data.n_clients)]
+        units = len(self.data.stations) if self.data.stations is not None else self.data.n_clients
+        self.schedule = sampling_stream(units, cfg.topology.sample_fraction, cfg.rounds, cfg.seed)
+        self.make_optimizer = make_optimizer_factory(cfg)
+        self.records: list[dict[str, Any]] = []  # evaluated rounds (metrics.jsonl)
+        self.round_log: list[dict[str, Any]] = []  # every round: phase times, bytes (rounds.jsonl)
+        self.rejected: list[dict[str, Any]] = []
+        self.bytes = {"up": 0, "down": 0}
+        self.elapsed = 0.0  # wall time of earlier sessions of this run (resume)
+
+    def _init_model(self) -> nn.Module:
+        """A fresh model with the run's seeded initialisation (the same for every method)."""
+        torch.manual_seed(derive_seed(self.cfg.seed, INIT))
+        return self._build()
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> dict[str, Any]:
+        start_round = self._restore()
+        session_start = time.perf_counter()
+        if start_round == 1:
+            self._collect()
+        for rnd in range(start_round, self.cfg.rounds + 1):
+            record = self._round(rnd)
+            self.round_log.append(record)
+            if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
+                t0 = time.perf_counter()
+                record = {**record, **self.evaluate()}
+                record["time"]["evaluate"] = time.perf_counter() - t0
+                self.records.append(record)
+                self._append_metrics(record)
+            if self.progress:
+                self.progress(rnd, record if "id_acc" in record else None)
+            every = self.cfg.checkpoint.every
+            if every and (rnd % every == 0) and rnd < self.cfg.rounds:
+                self._save(rnd, self.elapsed + time.perf_counter() - session_start)
+        wall = self.elapsed + time.perf_counter() - session_start
+        summary = self.summary(wall)
+        _write_json_atomic(self.out / "summary.json", summary)
+        (self.out / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.round_log))
+        checkpoint.remove(self.out)
+        return summary
+
+    def _round(self, rnd: int) -> dict[str, Any]:
+        units = self.schedule[rnd - 1]
+        timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
+        bytes_before = dict(self.bytes)
+        plan = self.server.configure(rnd, units)
+        if self.data.stations is None:
+            replies = self._fit_clients(rnd, plan, timing)
+        else:
+            replies = self._fit_stations(rnd, plan, timing)
+        t0 = time.perf_counter()
+        torch.manual_seed(derive_seed(self.cfg.seed, SERVER, rnd))
+        if replies:
+            self.server.aggregate(rnd, replies)
+        timing["aggregate"] += time.perf_counter() - t0
+        return {
+            "round": rnd,
+            "time": timing,
+            "bytes_up": self.bytes["up"] - bytes_before["up"],
+            "bytes_down": self.bytes["down"] - bytes_before["down"],
+            "participants": len(units),
+        }
+
+    def _fit_clients(
+        self, rnd: int, plan: dict[int, Message], timing: dict[str, float], station_round: int = 0
+    ) -> dict[int, Message]:
+        replies: dict[int, Message] = {}
+        for cid, msg in plan.items():
+            t0 = time.perf_counter()
+            reply = self._run_client(cid, rnd, msg, station_round)
+            timing["train"] += time.perf_counter() - t0
+            bad = reply.has_non_finite()
+            if bad:
+                log.warning("round %d: client %d sent non-finite values in %s; update rejected",
+                            rnd, cid, bad[:5])
+                self.rejected.append({"round": rnd, "client": cid, "arrays": bad})
+                continue
+            replies[cid] = reply
+        return replies
+
+    def _fit_stations(
+        self, rnd: int, plan: dict[int, Message], timing: dict[str, float]
+    ) -> dict[int, Message]:
+        """Each station runs R station rounds over its clients, then replies to the server."""
+        assert self.station is not None and self.data.stations is not None
+        replies: dict[int, Message] = {}
+        for sid, msg in plan.items():
+            current = msg
+            for r in range(1, self.cfg.topology.station_rounds + 1):
+                members = [int(c) for c in self.data.stations[sid]]
+                client_replies = self._fit_clients(rnd, dict.fromkeys(members, current), timing, r)
+                if not client_replies:
+                    break
+                t0 = time.perf_counter()
+                current = self.station.aggregate(client_replies)
+                timing["aggregate"] += time.perf_counter() - t0
+            if current is not msg:
+                replies[sid] = current.copy()
+                self.bytes["up"] += current.nbytes
+        return replies
+
+    def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
+        self.bytes["down"] += msg.nbytes
+        torch.manual_seed(derive_seed(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
+        ctx = self._context(cid, rnd, generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
+        reply = self.client.run(msg.copy(), ctx).copy()
+        self.bytes["up"] += reply.nbytes
+        return reply
+
+    def _context(self, cid: int, rnd: int, gen: torch.Generator) -> ClientContext:
+        return ClientContext(
+            cid=cid, rnd=rnd, model=self.model, train=self.data.train[cid], val=self.data.val[cid],
+            state=self.states[cid], generator=gen, local_epochs=self.cfg.train.local_epochs,
+            batch_size=self.cfg.train.batch_size, make_optimizer=self.make_optimizer,
+        )
+
+    def _collect(self) -> None:
+        plan = self.server.collect(list(range(self.data.n_clients)))
+        if plan:
+            self.server.on_collect({cid: self._run_client(cid, 0, msg) for cid, msg in plan.items()})
+
+    # --------------------------------------------------------------- evaluation
+    def evaluate(self) -> dict[str, Any]:
+        """id accuracy per client on its own validation split with the model it would use; ood
+        accuracy of the same models on every target domain. One shared model is scored once."""
+        bs = self.cfg.eval.batch_size
+        by_model: dict[int, dict[str, EvalResult]] = {}
+        keep = []  # hold references so id() stays unique while grouping
+        id_results: list[EvalResult | None] = []
+        ood_per_client: list[dict[str, EvalResult]] = []
+        ood_val_per_client: list[dict[str, EvalResult]] = []
+        for cid in range(self.data.n_clients):
+            ctx = self._context(cid, 0, torch.Generator())
+            arrays = self.client.eval_arrays(self.server.eval_arrays(cid), ctx)
+            keep.append(arrays)
+            set_arrays(self.model, arrays)
+            val = self.data.val[cid]
+            id_results.append(evaluate_probs(predict_probs(self.model, val, bs), val.labels) if len(val) else None)
+            if id(arrays) not in by_model:
+                by_model[id(arrays)] = {
+                    **{("ood", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
+                       for d, s in self.data.targets.items()},
+                    **{("val", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
+                       for d, s in self.data.ood_val.items()},
+                }
+            results = by_model[id(arrays)]
+            ood_per_client.append({d: r for (k, d), r in results.items() if k == "ood"})
+            ood_val_per_client.append({d: r for (k, d), r in results.items() if k == "val"})
+        return _summarise_eval(id_results, ood_per_client, ood_val_per_client, len(by_model))
+
+    # ------------------------------------------------------------------ outputs
+    def summary(self, wall_time: float) -> dict[str, Any]:
+        cfg = self.cfg
+        chosen = select(self.records, cfg.eval.selection)
+        final = self.records[-1]
+        headline = ("id_acc", "ood_acc", "ood_ece", "ood_nll", "ood_brier")
+        out: dict[str, Any] = {
+            "algorithm": cfg.algorithm.label or cfg.algorithm.name,
+            "method": cfg.algorithm.name,
+            "dataset": self.data.dataset,
+            "split": self.data.split.name,
+            "source_domains": list(self.data.split.train),
+            "target_domains": list(self.data.split.test),
+            "val_domains": list(self.data.split.val),
+            "seed": cfg.seed,
+            "rounds": cfg.rounds,
+            "n_clients": self.data.n_clients,
+            "selection": chosen["selection"],
+            "selected_round": chosen["selected_round"],
+            **{k: chosen.get(k) for k in headline},
+            "per_domain": chosen["per_domain"],
+            "worst_domain_acc": chosen["worst_domain_acc"],
+            "per_client": chosen["per_client"],
+            "final": {k: final.get(k) for k in (*headline, "per_domain")},
+            "reliability": {"ood": chosen["calibration"]["reliability"]},
+            "confidence_hist": chosen["calibration"]["confidence_hist"],
+            "bytes_up": self.bytes["up"],
+            "bytes_down": self.bytes["down"],
+            "rejected_updates": self.rejected,
+            "client_domain_counts": self.data.client_domain_counts.tolist(),
+            "wall_time_s": round(wall_time, 3),
+        }
+        return out
+
+    def _append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.out / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    # --------------------------------------------------------------- checkpoints
+    def _save(self, rnd: int, elapsed: float) -> None:
+        checkpoint.save(self.out, {
+            "round": rnd,
+            "server": self.server.state_dict(),
+            "states": [(s.arrays, s.scalars) for s in self.states],
+            "records": self.records,
+            "round_log": self.round_log,
+            "rejected": self.rejected,
+            "bytes": self.bytes,
+            "elapsed": elapsed,
+        })
+
+    def _restore(self) -> int:
+        """Load the latest checkpoint if there is one; returns the round to start from."""
+        state = checkpoint.load(self.out)
+        if state is None:
+            (self.out / "metrics.jsonl").unlink(missing_ok=True)
+            return 1
+        self.server.load_state_dict(state["server"])
+        self.states = [Message("state", a, s) for a, s in state["states"]]
+        self.records, self.rejected = state["records"], state["rejected"]
+        self.round_log = state["round_log"]
+        self.bytes, self.elapsed = state["bytes"], state["elapsed"]
+        # rewrite metrics.jsonl to what the checkpoint knows: later lines are recomputed
+        tmp = self.out / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.out / "metrics.jsonl")
+        log.info("resumed %s after round %d", self.out, state["round"])
+        return int(state["round"]) + 1
+
+
+def _summarise_eval(
+    id_results: list[EvalResult | None],
+    ood: list[dict[str, EvalResult]],
+    ood_val: list[dict[str, EvalResult]],
+    distinct_models: int,
+) -> dict[str, Any]:
+    """Run-level numbers: unweighted means over clients (hFedF §2.5), plus spreads."""
+    domains = list(ood[0])
+    per_client_ood = [float(np.mean([c[d].acc for d in domains])) for c in ood]
+    per_domain = {d: float(np.mean([c[d].acc for c in ood])) for d in domains}
+    worst_name, worst_acc = worst_domain(per_domain)
+    ids = [r.acc for r in id_results if r is not None]
+    out: dict[str, Any] = {
+        "id_acc": float(np.mean(ids)) if ids else None,
+        "ood_acc": float(np.mean(per_client_ood)),
+        "ood_ece": _mean_over(ood, "ece"),
+        "ood_nll": _mean_over(ood, "nll"),
+        "ood_brier": _mean_over(ood, "brier"),
+        "per_domain": per_domain,
+        "worst_domain": worst_name,
+        "worst_domain_acc": worst_acc,
+        "per_client": {"id_acc": [r.acc if r else None for r in id_results], "ood_acc": per_client_ood},
+        "ood_spread": spread(per_client_ood),
+        "distinct_models": distinct_models,
+        "calibration": {
+            "reliability": _pooled_reliability([c[d] for c in ood for d in domains]),
+            "confidence_hist": {
+                "id": _pooled_hist([r for r in id_results if r is not None]),
+                "ood": _pooled_hist([c[d] for c in ood for d in domains]),
+            },
+        },
+    }
+    if ids:
+        out["id_spread"] = spread(ids)
+    if ood_val and ood_val[0]:
+        out["ood_val_acc"] = float(np.mean([np.mean([r.acc for r in c.values()]) for c in ood_val]))
+    return out
+
+
+def _mean_over(per_client: list[dict[str, EvalResult]], field: str) -> float:
+    return float(np.mean([np.mean([getattr(r, field) for r in c.values()]) for c in per_client]))
+
+
+def _pooled_reliability(results: list[EvalResult]) -> dict[str, list[float]]:
+    count = np.sum([r.reliability.count for r in results], axis=0).astype(np.float64)
+    conf = np.sum([np.multiply(r.reliability.count, r.reliability.conf) for r in results], axis=0)
+    acc = np.sum([np.multiply(r.reliability.count, r.reliability.acc) for r in results], axis=0)
+    safe = np.maximum(count, 1)
+    return {"count": count.astype(int).tolist(), "conf": (conf / safe).tolist(), "acc": (acc / safe).tolist()}
+
+
+def _pooled_hist(results: list[EvalResult]) -> dict[str, list[int]]:
+    if not results:
+        return {}
+    return {k: np.sum([r.conf_hist[k] for r in results], axis=0).astype(int).tolist()
+            for k in ("correct", "incorrect")}
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

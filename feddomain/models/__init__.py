@@ -1,0 +1,100 @@
+"""Model registry: every backbone is built by name with explicit keyword options.
+
+Each model is a :class:`FeatureClassifier` (``featurizer`` then ``classifier``, ``n_features``).
+Names and options come from configs, so unknown ones fail with a :class:`ConfigError` that names
+the culprit and the closest valid spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable
+
+from feddomain.errors import ConfigError
+from feddomain.models.base import FeatureClassifier
+from feddomain.models.efficientnet import INPUT_MEAN, INPUT_STD, efficientnet_lite0
+from feddomain.models.hfedf_cnn import hfedf_cnn
+from feddomain.models.lenet import lenet5
+from feddomain.models.resnet import resnet18, resnet50
+from feddomain.models.small_cnn import small_cnn
+
+Builder = Callable[..., FeatureClassifier]
+Normalization = tuple[tuple[float, float, float], tuple[float, float, float]]
+
+MODELS: dict[str, Builder] = {
+    "hfedf_cnn": hfedf_cnn,
+    "lenet5": lenet5,
+    "small_cnn": small_cnn,
+    "resnet18": resnet18,
+    "resnet50": resnet50,
+    "efficientnet_lite0": efficientnet_lite0,
+}
+
+IMAGENET_NORMALIZATION: Normalization = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+_PRETRAINED_NORMALIZATION: dict[str, Normalization] = {
+    "resnet18": IMAGENET_NORMALIZATION,
+    "resnet50": IMAGENET_NORMALIZATION,
+    "efficientnet_lite0": (INPUT_MEAN, INPUT_STD),
+}
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _builder(name: str) -> Builder:
+    if name not in MODELS:
+        names = sorted(MODELS)
+        raise ConfigError(f"model: unknown name {name!r}{_suggest(name, names)}; valid: {names}")
+    return MODELS[name]
+
+
+def model_options(name: str) -> dict[str, object]:
+    """The keyword options ``name`` accepts (besides ``resolution``), with their defaults."""
+    params = inspect.signature(_builder(name)).parameters.values()
+    return {
+        p.name: p.default
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "resolution"
+    }
+
+
+def build_model(
+    name: str, num_classes: int, *, resolution: int = 32, **options
+) -> FeatureClassifier:
+    """Build ``name`` for ``num_classes`` classes and square ``resolution``-pixel inputs."""
+    builder = _builder(name)
+    valid = model_options(name)
+    for option in options:
+        if option not in valid:
+            raise ConfigError(
+                f"model {name!r}: unknown option {option!r}{_suggest(option, list(valid))}; "
+                f"valid options: {sorted(valid)}"
+            )
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"model {name!r}: num_classes={num_classes!r} must be a positive int")
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
+        raise ConfigError(f"model {name!r}: resolution={resolution!r} must be a positive int")
+    return builder(num_classes, resolution=resolution, **options)
+
+
+def input_normalization(name: str) -> Normalization | None:
+    """Per-channel (mean, std) a model's pretrained weights expect; None for from-scratch models.
+
+    Applies only when pretrained weights are used (``weights_path`` for ResNets, the default for
+    EfficientNet-Lite0); models trained from scratch use the data pipeline's own normalisation.
+    """
+    _builder(name)
+    return _PRETRAINED_NORMALIZATION.get(name)
+
+
+__all__ = [
+    "IMAGENET_NORMALIZATION",
+    "MODELS",
+    "FeatureClassifier",
+    "build_model",
+    "input_normalization",
+    "model_options",
+]

@@ -1,0 +1,96 @@
+"""torchvision ResNet-18/50 with a K-way head; ImageNet weights only from a local file.
+
+Nothing here downloads: users who want pretrained weights save torchvision's state dict once
+(``torch.save(resnet18(weights="DEFAULT").state_dict(), path)``) and pass ``weights_path``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchvision import models as tvm
+
+from feddomain.errors import ConfigError
+from feddomain.models.base import FeatureClassifier
+
+_HEAD_PREFIX = "fc."
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ConfigError(f"weights_path: file not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(f"weights_path: cannot read {path} as a torch state dict: {exc}") from exc
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"weights_path: {path} does not hold a state dict (name -> tensor)")
+    return state
+
+
+def _check_compatible(
+    net: nn.Module, state: dict[str, torch.Tensor], path: Path, arch: str
+) -> None:
+    """Name the keys or shapes that differ, instead of torch's multi-screen RuntimeError."""
+    expected = {k: v.shape for k, v in net.state_dict().items()}
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ConfigError(
+            f"weights_path: {path} does not match {arch}: missing keys {missing[:5]} "
+            f"({len(missing)} in all), unexpected keys {unexpected[:5]} ({len(unexpected)} in all)"
+        )
+    wrong = [k for k, shape in expected.items() if state[k].shape != shape]
+    if wrong:
+        k = wrong[0]
+        raise ConfigError(
+            f"weights_path: {path} does not match {arch}: {k} has shape {tuple(state[k].shape)}, "
+            f"expected {tuple(expected[k])} ({len(wrong)} tensors differ)"
+        )
+
+
+def _resnet(
+    arch: str,
+    factory: Callable[..., tvm.ResNet],
+    num_classes: int,
+    weights_path: str | None,
+    freeze_bn_stats: bool,
+) -> FeatureClassifier:
+    net = factory(weights=None)
+    n_features = net.fc.in_features
+    net.fc = nn.Identity()
+    if weights_path is not None:
+        path = Path(weights_path).expanduser()
+        # The ImageNet 1000-way head is dropped: the K-way classifier is always freshly initialised.
+        state = {k: v for k, v in _read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
+        _check_compatible(net, state, path, arch)
+        net.load_state_dict(state)
+    classifier = nn.Linear(n_features, num_classes)
+    return FeatureClassifier(net, classifier, n_features, freeze_bn_stats=freeze_bn_stats)
+
+
+def resnet18(
+    num_classes: int,
+    *,
+    resolution: int = 224,
+    weights_path: str | None = None,
+    freeze_bn_stats: bool = False,
+) -> FeatureClassifier:
+    """ResNet-18 (512 features). Any resolution works (adaptive pooling); 224 is ImageNet's."""
+    del resolution  # the common builder signature; the architecture does not depend on it
+    return _resnet("resnet18", tvm.resnet18, num_classes, weights_path, freeze_bn_stats)
+
+
+def resnet50(
+    num_classes: int,
+    *,
+    resolution: int = 224,
+    weights_path: str | None = None,
+    freeze_bn_stats: bool = False,
+) -> FeatureClassifier:
+    """ResNet-50 (2048 features). Any resolution works (adaptive pooling); 224 is ImageNet's."""
+    del resolution
+    return _resnet("resnet50", tvm.resnet50, num_classes, weights_path, freeze_bn_stats)

@@ -1,0 +1,62 @@
+"""A small CNN with a choice of normalisation, for methods that act on BatchNorm statistics.
+
+FedFD mixes local and global BN statistics and FedBN keeps BN layers local; both need a model
+with BatchNorm that trains in seconds on CPU. ``norm="group"`` and ``"none"`` give the same
+network without batch statistics, for ablations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from feddomain.errors import ConfigError
+from feddomain.models.base import FeatureClassifier
+
+NORMS = ("batch", "group", "none")
+
+
+def _norm(kind: str, channels: int, groups: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    if kind == "group":
+        return nn.GroupNorm(groups, channels)
+    return nn.Identity()
+
+
+def _block(in_c: int, out_c: int, norm: str, groups: int) -> nn.Sequential:
+    # A conv followed by a normalisation layer gets no bias: the norm's shift replaces it.
+    conv = nn.Conv2d(in_c, out_c, kernel_size=3, padding=1, bias=norm == "none")
+    return nn.Sequential(conv, _norm(norm, out_c, groups), nn.ReLU(), nn.MaxPool2d(2))
+
+
+def small_cnn(
+    num_classes: int,
+    *,
+    resolution: int = 32,
+    norm: str = "batch",
+    widths: Sequence[int] = (32, 64, 128),
+    groups: int = 8,
+) -> FeatureClassifier:
+    """conv3x3-norm-ReLU-maxpool blocks, global average pool, linear classifier."""
+    widths = tuple(int(w) for w in widths)
+    if norm not in NORMS:
+        raise ConfigError(f"small_cnn: norm={norm!r} is not one of {list(NORMS)}")
+    if not widths or min(widths) < 1:
+        raise ConfigError(
+            f"small_cnn: widths={list(widths)} must be a non-empty list of positive ints"
+        )
+    if norm == "group" and any(w % groups for w in widths):
+        raise ConfigError(f"small_cnn: groups={groups} must divide every width in {list(widths)}")
+    if resolution < 2 ** len(widths):
+        raise ConfigError(
+            f"small_cnn: resolution={resolution} is below {2 ** len(widths)}, the size "
+            f"{len(widths)} 2x2 poolings need"
+        )
+    blocks = [
+        _block(in_c, out_c, norm, groups)
+        for in_c, out_c in zip((3, *widths[:-1]), widths, strict=True)
+    ]
+    featurizer = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return FeatureClassifier(featurizer, nn.Linear(widths[-1], num_classes), widths[-1])

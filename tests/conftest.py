@@ -1,0 +1,33 @@
+"""Shared fixtures. Real-data tests find ../shared/data through FEDDOMAIN_DATA (default: the
+folder beside the project root); in CI a missing data folder is an error, never a skip."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _data_root() -> Path:
+    return Path(os.environ.get("FEDDOMAIN_DATA", PROJECT_ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Root holding PACS/ and Digits3/ (see ../shared/data/README.md)."""
+    root = _data_root()
+    if not (root / "PACS").is_dir():
+        message = f"real benchmark data not found at {root} (set FEDDOMAIN_DATA)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return root
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One decode cache for the whole test session, so PACS is decoded once per run."""
+    return tmp_path_factory.mktemp("feddomain-cache")

@@ -1,0 +1,251 @@
+"""`feddomain report` logic on fake run directories written by hand."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from feddomain.errors import ConfigError, DataError
+from feddomain.evaluation.report import build_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# Values at the source-validation round (round 10, highest id_acc) per (method, target):
+# (ood_acc, id_acc, ood_ece) for seed 0 and seed 1.
+AT_SOURCE_VAL = {
+    ("fedavg", "photo"): [(0.70, 0.90, 0.10), (0.74, 0.92, 0.06)],
+    ("fedavg", "sketch"): [(0.40, 0.80, 0.20), (0.50, 0.80, 0.20)],
+    ("hfedf", "photo"): [(0.76, 0.94, 0.05), (0.80, 0.96, 0.07)],
+    ("hfedf", "sketch"): [(0.50, 0.85, 0.12), (0.56, 0.87, 0.10)],
+}
+
+
+def _rounds(ood: float, id_acc: float, ece: float) -> list[dict]:
+    # round 5: highest ood, lowest id -> oracle; round 10: highest id -> source_val;
+    # round 15: last.
+    rows = [
+        (5, ood + 0.10, id_acc - 0.20, ece + 0.05),
+        (10, ood, id_acc, ece),
+        (15, ood - 0.02, id_acc - 0.01, ece + 0.01),
+    ]
+    return [
+        {"round": r, "ood_acc": o, "id_acc": i, "ood_ece": e, "per_domain": {"x": o}}
+        for r, o, i, e in rows
+    ]
+
+
+def write_run(
+    root: Path, algo: str, target: str, seed: int, values: tuple[float, float, float],
+    *, extras: bool = True,
+) -> Path:  # fmt: skip
+    """A finished run whose summary, like the simulator's, describes the last round."""
+    run = root / f"{algo}_{target}_s{seed}"
+    run.mkdir(parents=True)
+    records = _rounds(*values)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text(f"algorithm: {algo}\nseed: {seed}\n")
+    last = records[-1]
+    summary = {
+        "algorithm": algo, "dataset": "pacs", "target_domains": [target], "seed": seed,
+        "rounds": 15, "id_acc": last["id_acc"], "ood_acc": last["ood_acc"],
+        "ood_ece": last["ood_ece"], "ood_nll": 1.0, "per_domain": {target: last["ood_acc"]},
+        "selection": "last", "wall_time_s": 1.0,
+    }  # fmt: skip
+    if extras:
+        summary["reliability"] = {"ood": {"count": [0, 3, 1, 1], "conf": [0, 0.4, 0.6, 0.9],
+                                          "acc": [0, 0.3, 0.7, 1.0]}}  # fmt: skip
+        summary["confidence_hist"] = {
+            split: {"correct": [0, 1, 2, 5], "incorrect": [1, 2, 1, 0]} for split in ("id", "ood")
+        }
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+@pytest.fixture
+def runs_root(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    for (algo, target), per_seed in AT_SOURCE_VAL.items():
+        for seed, values in enumerate(per_seed):
+            write_run(root, algo, target, seed, values)
+    return root
+
+
+def table(markdown: str, title: str) -> dict[str, list[str]]:
+    """Rows of the markdown table under heading ``title``: {first cell: other cells}."""
+    lines = markdown.splitlines()
+    start = lines.index(title) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_source_val_table_mean_and_sample_std(runs_root: Path):
+    md = build_report([runs_root]).to_markdown()
+    assert "model selection: source_val" in md.splitlines()[0]
+    ood = table(md, "## pacs — ood accuracy (%)")
+    # fedavg photo: mean(.70, .74) = .72; sample std = |.74 - .70| / sqrt(2) = .0283 -> 2.8
+    # fedavg sketch: mean(.40, .50) = .45; std .10 / sqrt 2 = .0707 -> 7.1; avg (72 + 45)/2
+    # hfedf photo: mean(.76, .80) = .78, std 2.8; sketch: mean(.50, .56) = .53, std .06/sqrt2
+    assert ood["method"] == ["photo", "sketch", "avg", "seeds"]
+    assert ood["fedavg"] == ["72.0 ± 2.8", "45.0 ± 7.1", "58.5", "2"]
+    assert ood["hfedf"] == ["78.0 ± 2.8", "53.0 ± 4.2", "65.5", "2"]
+    ident = table(md, "## pacs — id accuracy (%)")
+    # fedavg: photo (.90, .92) -> 91.0 ± 1.4; sketch (.80, .80) -> 80.0 ± 0.0; avg 85.5
+    assert ident["fedavg"] == ["91.0 ± 1.4", "80.0 ± 0.0", "85.5", "2"]
+    assert ident["hfedf"] == ["95.0 ± 1.4", "86.0 ± 1.4", "90.5", "2"]
+    ece = table(md, "## pacs — ood ECE (%)")
+    # fedavg photo (.10, .06) -> 8.0 ± 2.8; hfedf sketch (.12, .10) -> 11.0 ± 1.4
+    assert ece["fedavg"][0] == "8.0 ± 2.8"
+    assert ece["hfedf"][1] == "11.0 ± 1.4"
+
+
+def test_selection_rule_changes_the_numbers(runs_root: Path):
+    last = table(build_report([runs_root], selection="last").to_markdown(),
+                 "## pacs — ood accuracy (%)")  # fmt: skip
+    # round 15 = source_val value - .02: fedavg photo (.68, .72) -> 70.0 ± 2.8
+    assert last["fedavg"][0] == "70.0 ± 2.8"
+    oracle_md = build_report([runs_root], selection="oracle").to_markdown()
+    assert "ORACLE" in oracle_md.splitlines()[0]
+    oracle = table(oracle_md, "## pacs — ood accuracy (%)")
+    # round 5 = source_val value + .10: fedavg photo (.80, .84) -> 82.0 ± 2.8
+    assert oracle["fedavg"][0] == "82.0 ± 2.8"
+
+
+def test_single_seed_is_flagged(tmp_path: Path):
+    write_run(tmp_path, "fedavg", "photo", 3, (0.61, 0.9, 0.1))
+    md = build_report([tmp_path]).to_markdown()
+    assert table(md, "## pacs — ood accuracy (%)")["fedavg"] == [
+        "61.0 ± 0.0 (1 seed)", "61.0", "1"
+    ]  # fmt: skip
+
+
+def test_missing_cell_leaves_avg_blank(tmp_path: Path):
+    write_run(tmp_path, "fedavg", "photo", 0, (0.6, 0.9, 0.1))
+    write_run(tmp_path, "fedavg", "sketch", 0, (0.4, 0.9, 0.1))
+    write_run(tmp_path, "hfedf", "photo", 0, (0.7, 0.9, 0.1))
+    ood = table(build_report([tmp_path]).to_markdown(), "## pacs — ood accuracy (%)")
+    assert ood["fedavg"][2] == "50.0"
+    assert ood["hfedf"][1:3] == ["—", "—"]
+
+
+def test_outputs_csv_rows_and_png_plots(runs_root: Path, tmp_path: Path):
+    out = tmp_path / "report"
+    report = build_report([runs_root], out=out)
+    with (out / "report.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    runs = [r for r in rows if r["kind"] == "run"]
+    groups = {(r["algorithm"], r["target"]): r for r in rows if r["kind"] == "group"}
+    assert len(runs) == 8 and len(groups) == 4
+    assert {r["selected_round"] for r in runs} == {"10"}
+    assert {r["selection"] for r in rows} == {"source_val"}
+    seed1 = next(r for r in runs if r["algorithm"] == "hfedf" and r["target"] == "sketch"
+                 and r["seed"] == "1")  # fmt: skip
+    assert float(seed1["ood_acc"]) == pytest.approx(0.56)
+    assert Path(seed1["path"]) == runs_root / "hfedf_sketch_s1"
+    g = groups[("fedavg", "sketch")]
+    assert g["n_seeds"] == "2" and g["seed"] == ""
+    assert float(g["ood_acc"]) == pytest.approx(0.45)
+    assert float(g["ood_acc_std"]) == pytest.approx(0.1 / 2**0.5)
+    assert float(g["id_acc_std"]) == pytest.approx(0.0, abs=1e-12)
+
+    assert (out / "report.md").read_text() == report.to_markdown()
+    for kind in ("curves", "reliability", "confidence"):
+        for target in ("photo", "sketch"):
+            png = out / f"{kind}_pacs_{target}.png"
+            assert png in report.files
+            assert png.read_bytes()[:8] == PNG_MAGIC
+            with Image.open(png) as im:
+                assert im.width > 100 and im.height > 100
+
+
+def test_runs_without_reliability_get_no_calibration_plots(tmp_path: Path):
+    write_run(tmp_path / "runs", "fedavg", "photo", 0, (0.6, 0.9, 0.1), extras=False)
+    report = build_report([tmp_path / "runs"], out=tmp_path / "out")
+    assert sorted(p.name for p in report.files) == ["curves_pacs_photo.png", "report.csv",
+                                                    "report.md"]  # fmt: skip
+
+
+def test_table_comes_from_metrics_not_summary(runs_root: Path):
+    # The summaries describe round 15 ("last"); tamper with one and report under "last".
+    path = runs_root / "fedavg_photo_s0" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["ood_acc"] = 0.99
+    path.write_text(json.dumps(summary))
+    report = build_report([runs_root], selection="last")
+    assert len(report.warnings) == 1
+    assert "fedavg_photo_s0" in report.warnings[0] and "ood_acc=0.99" in report.warnings[0]
+    ood = table(report.to_markdown(), "## pacs — ood accuracy (%)")
+    assert ood["fedavg"][0] == "70.0 ± 2.8"
+    assert build_report([runs_root]).warnings == []  # summary's rule differs: nothing to compare
+
+
+def test_unfinished_run_is_skipped_with_a_note(runs_root: Path):
+    unfinished = runs_root / "hfedf_photo_s2"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text("seed: 2\n")
+    (unfinished / "metrics.jsonl").write_text(json.dumps({"round": 5, "id_acc": 1.0}) + "\n")
+    report = build_report([runs_root])
+    assert report.warnings == [f"skipped unfinished run {unfinished} (no summary.json)"]
+    assert len(report.runs) == 8
+    assert f"- skipped unfinished run {unfinished}" in report.to_markdown()
+
+
+def test_duplicate_seed_is_an_error(runs_root: Path, tmp_path: Path):
+    write_run(tmp_path / "more", "fedavg", "photo", 1, (0.5, 0.5, 0.5))
+    with pytest.raises(DataError, match=r"fedavg on pacs/photo with seed 1"):
+        build_report([runs_root, tmp_path / "more"])
+
+
+def test_corrupt_summary_names_the_file(runs_root: Path):
+    path = runs_root / "hfedf_photo_s0" / "summary.json"
+    path.write_text("{not json")
+    with pytest.raises(DataError, match=r"hfedf_photo_s0/summary.json: cannot read JSON"):
+        build_report([runs_root])
+
+
+def test_summary_missing_key_names_file_and_key(runs_root: Path):
+    path = runs_root / "hfedf_photo_s0" / "summary.json"
+    summary = json.loads(path.read_text())
+    del summary["seed"]
+    path.write_text(json.dumps(summary))
+    with pytest.raises(DataError, match=r"hfedf_photo_s0/summary.json: missing key 'seed'"):
+        build_report([runs_root])
+
+
+def test_bad_metrics_line_names_file_and_line(runs_root: Path):
+    path = runs_root / "fedavg_sketch_s1" / "metrics.jsonl"
+    path.write_text(path.read_text().replace('"round": 10', '"round": 10,,'))
+    with pytest.raises(DataError, match=r"fedavg_sketch_s1/metrics.jsonl:2: not valid JSON"):
+        build_report([runs_root])
+
+
+def test_metrics_missing_selected_value(runs_root: Path):
+    path = runs_root / "fedavg_sketch_s1" / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    del lines[1]["ood_ece"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(DataError, match=r"metrics.jsonl: round 10 has no numeric 'ood_ece'"):
+        build_report([runs_root])
+
+
+def test_summary_without_metrics_is_an_error(runs_root: Path):
+    (runs_root / "hfedf_photo_s1" / "metrics.jsonl").unlink()
+    with pytest.raises(DataError, match=r"hfedf_photo_s1 has summary.json but no metrics.jsonl"):
+        build_report([runs_root])
+
+
+def test_bad_inputs(tmp_path: Path):
+    with pytest.raises(DataError, match="is not a directory"):
+        build_report([tmp_path / "nope"])
+    with pytest.raises(DataError, match="no finished runs"):
+        build_report([tmp_path])
+    with pytest.raises(ConfigError, match="unknown selection rule 'best'"):
+        build_report([tmp_path], selection="best")
