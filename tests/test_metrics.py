@@ -106,7 +106,7 @@ def test_brier_by_hand_perfect_and_uniform():
 
 
 def test_confidence_histogram_counts_on_20_bins():
-    # bins of width .05, (lo, hi]: .9 -> 17, .5 -> 9 (twice), .7 -> 13 (all correct); .4 -> 7 (wrong)
+    # width .05, (lo, hi]: .9 -> 17, .5 -> 9 (twice), .7 -> 13 (all correct); .4 -> 7 (wrong)
     hist = confidence_histogram(PROBS, LABELS)
     correct, incorrect = [0] * 20, [0] * 20
     correct[17], correct[9], correct[13] = 1, 2, 1

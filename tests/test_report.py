@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from feddomain.errors import ConfigError, DataError
-from feddomain.evaluation.report import build_report
+from feddomain.evaluation.report import build_report, pool_confidence_hist, pool_reliability
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -39,9 +39,14 @@ def _rounds(ood: float, id_acc: float, ece: float) -> list[dict]:
 
 
 def write_run(
-    root: Path, algo: str, target: str, seed: int, values: tuple[float, float, float],
-    *, extras: bool = True,
-) -> Path:  # fmt: skip
+    root: Path,
+    algo: str,
+    target: str,
+    seed: int,
+    values: tuple[float, float, float],
+    *,
+    extras: bool = True,
+) -> Path:
     """A finished run whose summary, like the simulator's, describes the last round."""
     run = root / f"{algo}_{target}_s{seed}"
     run.mkdir(parents=True)
@@ -50,14 +55,23 @@ def write_run(
     (run / "config.yaml").write_text(f"algorithm: {algo}\nseed: {seed}\n")
     last = records[-1]
     summary = {
-        "algorithm": algo, "dataset": "pacs", "target_domains": [target], "seed": seed,
-        "rounds": 15, "id_acc": last["id_acc"], "ood_acc": last["ood_acc"],
-        "ood_ece": last["ood_ece"], "ood_nll": 1.0, "per_domain": {target: last["ood_acc"]},
-        "selection": "last", "wall_time_s": 1.0,
-    }  # fmt: skip
+        "algorithm": algo,
+        "dataset": "pacs",
+        "target_domains": [target],
+        "seed": seed,
+        "rounds": 15,
+        "id_acc": last["id_acc"],
+        "ood_acc": last["ood_acc"],
+        "ood_ece": last["ood_ece"],
+        "ood_nll": 1.0,
+        "per_domain": {target: last["ood_acc"]},
+        "selection": "last",
+        "wall_time_s": 1.0,
+    }
     if extras:
-        summary["reliability"] = {"ood": {"count": [0, 3, 1, 1], "conf": [0, 0.4, 0.6, 0.9],
-                                          "acc": [0, 0.3, 0.7, 1.0]}}  # fmt: skip
+        summary["reliability"] = {
+            "ood": {"count": [0, 3, 1, 1], "conf": [0, 0.4, 0.6, 0.9], "acc": [0, 0.3, 0.7, 1.0]}
+        }
         summary["confidence_hist"] = {
             split: {"correct": [0, 1, 2, 5], "incorrect": [1, 2, 1, 0]} for split in ("id", "ood")
         }
@@ -108,8 +122,9 @@ def test_source_val_table_mean_and_sample_std(runs_root: Path):
 
 
 def test_selection_rule_changes_the_numbers(runs_root: Path):
-    last = table(build_report([runs_root], selection="last").to_markdown(),
-                 "## pacs — ood accuracy (%)")  # fmt: skip
+    last = table(
+        build_report([runs_root], selection="last").to_markdown(), "## pacs — ood accuracy (%)"
+    )
     # round 15 = source_val value - .02: fedavg photo (.68, .72) -> 70.0 ± 2.8
     assert last["fedavg"][0] == "70.0 ± 2.8"
     oracle_md = build_report([runs_root], selection="oracle").to_markdown()
@@ -122,9 +137,7 @@ def test_selection_rule_changes_the_numbers(runs_root: Path):
 def test_single_seed_is_flagged(tmp_path: Path):
     write_run(tmp_path, "fedavg", "photo", 3, (0.61, 0.9, 0.1))
     md = build_report([tmp_path]).to_markdown()
-    assert table(md, "## pacs — ood accuracy (%)")["fedavg"] == [
-        "61.0 ± 0.0 (1 seed)", "61.0", "1"
-    ]  # fmt: skip
+    assert table(md, "## pacs — ood accuracy (%)")["fedavg"] == ["61.0 ± 0.0 (1 seed)", "61.0", "1"]
 
 
 def test_missing_cell_leaves_avg_blank(tmp_path: Path):
@@ -146,8 +159,11 @@ def test_outputs_csv_rows_and_png_plots(runs_root: Path, tmp_path: Path):
     assert len(runs) == 8 and len(groups) == 4
     assert {r["selected_round"] for r in runs} == {"10"}
     assert {r["selection"] for r in rows} == {"source_val"}
-    seed1 = next(r for r in runs if r["algorithm"] == "hfedf" and r["target"] == "sketch"
-                 and r["seed"] == "1")  # fmt: skip
+    seed1 = next(
+        r
+        for r in runs
+        if r["algorithm"] == "hfedf" and r["target"] == "sketch" and r["seed"] == "1"
+    )
     assert float(seed1["ood_acc"]) == pytest.approx(0.56)
     assert Path(seed1["path"]) == runs_root / "hfedf_sketch_s1"
     g = groups[("fedavg", "sketch")]
@@ -169,8 +185,11 @@ def test_outputs_csv_rows_and_png_plots(runs_root: Path, tmp_path: Path):
 def test_runs_without_reliability_get_no_calibration_plots(tmp_path: Path):
     write_run(tmp_path / "runs", "fedavg", "photo", 0, (0.6, 0.9, 0.1), extras=False)
     report = build_report([tmp_path / "runs"], out=tmp_path / "out")
-    assert sorted(p.name for p in report.files) == ["curves_pacs_photo.png", "report.csv",
-                                                    "report.md"]  # fmt: skip
+    assert sorted(p.name for p in report.files) == [
+        "curves_pacs_photo.png",
+        "report.csv",
+        "report.md",
+    ]
 
 
 def test_table_comes_from_metrics_not_summary(runs_root: Path):
@@ -249,3 +268,52 @@ def test_bad_inputs(tmp_path: Path):
         build_report([tmp_path])
     with pytest.raises(ConfigError, match="unknown selection rule 'best'"):
         build_report([tmp_path], selection="best")
+
+
+def _set_summary(run: Path, **fields) -> None:
+    path = run / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(fields)
+    path.write_text(json.dumps(summary))
+
+
+def test_calibration_data_is_pooled_over_seeds(tmp_path: Path):
+    a = write_run(tmp_path, "fedavg", "photo", 0, (0.6, 0.9, 0.1))
+    b = write_run(tmp_path, "fedavg", "photo", 1, (0.6, 0.9, 0.1))
+    _set_summary(
+        a,
+        reliability={"ood": {"count": [2, 0], "conf": [0.3, 0.0], "acc": [0.5, 0.0]}},
+        confidence_hist={"ood": {"correct": [1, 2], "incorrect": [3, 0]}},
+    )
+    _set_summary(
+        b,
+        reliability={"ood": {"count": [2, 2], "conf": [0.4, 0.8], "acc": [0.0, 1.0]}},
+        confidence_hist={"ood": {"correct": [0, 5], "incorrect": [1, 1]}},
+    )
+    (group,) = build_report([tmp_path]).groups
+    pooled = pool_reliability(group)
+    # counts [2+2, 0+2]; conf bin 0 = (2*.3 + 2*.4)/4 = .35, acc bin 0 = (2*.5 + 2*0)/4 = .25
+    assert pooled["count"].tolist() == [4, 2]
+    assert pooled["conf"].tolist() == pytest.approx([0.35, 0.8])
+    assert pooled["acc"].tolist() == pytest.approx([0.25, 1.0])
+    hist = pool_confidence_hist(group)
+    assert hist["ood"]["correct"].tolist() == [1, 7]
+    assert hist["ood"]["incorrect"].tolist() == [4, 1]
+
+
+def test_calibration_bins_must_agree_across_seeds(tmp_path: Path):
+    a = write_run(tmp_path, "fedavg", "photo", 0, (0.6, 0.9, 0.1))
+    b = write_run(tmp_path, "fedavg", "photo", 1, (0.6, 0.9, 0.1))
+    _set_summary(a, confidence_hist={"ood": {"correct": [1, 2], "incorrect": [3, 0]}})
+    _set_summary(b, confidence_hist={"ood": {"correct": [1, 2, 3], "incorrect": [3, 0, 1]}})
+    (group,) = build_report([tmp_path]).groups
+    with pytest.raises(
+        DataError,
+        match=r"fedavg_photo_s1/summary.json: confidence_hist.ood."
+        r"correct must be a list of 2 numbers",
+    ):
+        pool_confidence_hist(group)
+    _set_summary(a, reliability={"ood": {"count": [1, 1], "conf": [0.3], "acc": [0.5, 1.0]}})
+    (group,) = build_report([tmp_path]).groups
+    with pytest.raises(DataError, match=r"reliability.ood.conf must be a list of 2 numbers"):
+        pool_reliability(group)

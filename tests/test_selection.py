@@ -13,8 +13,12 @@ def _records(with_target_val: bool = False) -> list[dict]:
     # id_acc: .60   .70   .70   .65   -> source_val: tie 10/15 -> latest = 15
     # ood:    .40   .45   .42   .50   -> oracle (no target val): 20; last: 20
     # tval:   .30   .60   .50   .40   -> oracle (with target val): 10
-    rows = [(5, 0.60, 0.40, 0.30), (10, 0.70, 0.45, 0.60), (15, 0.70, 0.42, 0.50),
-            (20, 0.65, 0.50, 0.40)]  # fmt: skip
+    rows = [
+        (5, 0.60, 0.40, 0.30),
+        (10, 0.70, 0.45, 0.60),
+        (15, 0.70, 0.42, 0.50),
+        (20, 0.65, 0.50, 0.40),
+    ]
     out = []
     for rnd, id_acc, ood_acc, tval in rows:
         rec = {"round": rnd, "id_acc": id_acc, "ood_acc": ood_acc, "per_domain": {"photo": ood_acc}}
@@ -89,7 +93,7 @@ def test_missing_round_key():
 
 
 def test_repeated_round_is_ambiguous():
-    records = _records() + [{"round": 10, "id_acc": 0.9, "ood_acc": 0.1}]
+    records = [*_records(), {"round": 10, "id_acc": 0.9, "ood_acc": 0.1}]
     with pytest.raises(DataError, match=r"repeat round\(s\) \[10\]"):
         select(records, "last")
 

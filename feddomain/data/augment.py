@@ -49,7 +49,9 @@ class AugmentConfig:
                 )
         low, high = _pair("crop_ratio", self.crop_ratio)
         if not 0 < low <= high:
-            raise ConfigError(f"crop_ratio must be (low, high) with 0 < low <= high, got {self.crop_ratio!r}")
+            raise ConfigError(
+                f"crop_ratio must be (low, high) with 0 < low <= high, got {self.crop_ratio!r}"
+            )
         if self.color_jitter is not None:
             jitter = tuple(self.color_jitter)
             if len(jitter) != 4 or any(not math.isfinite(v) or v < 0 for v in jitter):
@@ -75,7 +77,9 @@ class BatchAugment:
         self._mean = self._std = None
         if mean is not None and std is not None:
             if len(mean) != 3 or len(std) != 3:
-                raise ConfigError(f"mean and std need 3 values (RGB), got {list(mean)} and {list(std)}")
+                raise ConfigError(
+                    f"mean and std need 3 values (RGB), got {list(mean)} and {list(std)}"
+                )
             if any(s <= 0 for s in std):
                 raise ConfigError(f"std values must be positive, got {list(std)}")
             self._mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
@@ -137,10 +141,25 @@ def adjust_saturation(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Rotate hue by ``shift`` turns in [-0.5, 0.5] through RGB -> HSV -> RGB (as torchvision)."""
-    hue, sat, val = _rgb_to_hsv(x)
-    hue = (hue + _per_sample(shift).squeeze(1)).remainder_(1.0)
-    return _hsv_to_rgb(hue, sat, val)
+    """Rotate hue by ``shift`` turns in [-0.5, 0.5] in HSV space, as torchvision does.
+
+    HSV keeps each pixel's max and min channel, so RGB -> HSV -> RGB collapses to
+    ``rgb = max - (max - min) * ramp(k)``, ``k = (n + 6 * hue) mod 6`` with n = 5, 3, 1 for R, G, B
+    and ``ramp(k) = clamp(min(k, 4 - k), 0, 1)``: branch-free, one expression for the whole batch.
+    """
+    r, g, b = x.unbind(1)
+    minc, maxc = torch.aminmax(x, dim=1)
+    spread = maxc - minc
+    r_max, g_max = maxc == r, maxc == g
+    # hue in sextants [0, 6): which channel is the max decides the sector (R wins ties, then G)
+    rise = torch.where(r_max, g - b, torch.where(g_max, b - r, r - g))
+    sector = torch.where(r_max, 0.0, torch.where(g_max, 2.0, 4.0))
+    safe = torch.where(spread > 0, spread, torch.ones_like(spread))  # grey pixels: rise is 0
+    hue6 = (rise / safe).add_(sector).add_(6 * _per_sample(shift).squeeze(1))
+    offsets = torch.tensor([5.0, 3.0, 1.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    k = (offsets + hue6.unsqueeze(1)).remainder_(6)
+    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
+    return maxc.unsqueeze(1) - spread.unsqueeze(1) * ramp
 
 
 def sample_crop_boxes(
@@ -204,29 +223,6 @@ def _color_jitter(
     return x
 
 
-def _rgb_to_hsv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B,3,H,W] RGB -> hue in [0,1), saturation, value, each [B,H,W]; grey pixels get hue 0."""
-    r, g, b = x.unbind(1)
-    minc, maxc = torch.aminmax(x, dim=1)
-    spread = maxc - minc
-    sat = spread / torch.where(maxc > 0, maxc, torch.ones_like(maxc))
-    safe = torch.where(spread > 0, spread, torch.ones_like(spread))
-    hue = torch.where(
-        maxc == r, (g - b) / safe, torch.where(maxc == g, 2 + (b - r) / safe, 4 + (r - g) / safe)
-    )
-    return hue.div_(6).remainder_(1.0), sat, maxc
-
-
-def _hsv_to_rgb(hue: torch.Tensor, sat: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
-    """Closed form: channel n in (R=5, G=3, B=1) is v - v*s*clamp(min(k, 4-k), 0, 1),
-    k = (n + 6h) mod 6; branch-free, so one expression serves the whole batch."""
-    offsets = torch.tensor([5.0, 3.0, 1.0], dtype=hue.dtype, device=hue.device).view(1, 3, 1, 1)
-    k = (offsets + 6 * hue.unsqueeze(1)).remainder_(6)
-    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
-    val, sat = val.unsqueeze(1), sat.unsqueeze(1)
-    return val - val * sat * ramp
-
-
 def _blend(x: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return (x * factor + other * (1 - factor)).clamp_(0, 1)
 
@@ -246,7 +242,9 @@ def _per_sample(values: torch.Tensor) -> torch.Tensor:
     return values.view(-1, 1, 1, 1)
 
 
-def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+def _rand(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str
+) -> torch.Tensor:
     """Uniform [0,1) draws from ``generator`` (on its own device), moved to ``device``."""
     source = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(shape, generator=generator, device=source).to(device)

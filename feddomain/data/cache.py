@@ -172,7 +172,8 @@ class CacheWriter:
     def append(self, rows: np.ndarray) -> None:
         """Write ``rows`` (uint8 [k, *item_shape]) after the rows written so far."""
         if rows.dtype != np.uint8 or rows.shape[1:] != self.item_shape:
-            raise ValueError(f"expected uint8 [k, {self.item_shape}], got {rows.dtype} {rows.shape}")
+            raise ValueError(f"expected uint8 [k, *{self.item_shape}], got {rows.dtype} "
+                             f"{rows.shape}")
         try:
             self._file.write(np.ascontiguousarray(rows).data)
         except OSError as exc:

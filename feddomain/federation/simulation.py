@@ -171,7 +171,7 @@ class Simulation:
             current = msg
             for r in range(1, self.cfg.topology.station_rounds + 1):
                 members = [int(c) for c in self.data.stations[sid]]
-                client_replies = self._fit_clients(rnd, dict.fromkeys(members, current), timing, r)
+                client_replies = self._fit_clients(rnd, dict.fromkeys(members, current), timing, r - 1)
                 if not client_replies:
                     break
                 t0 = time.perf_counter()

@@ -38,6 +38,7 @@ def small_cnn(
     norm: str = "batch",
     widths: Sequence[int] = (32, 64, 128),
     groups: int = 8,
+    freeze_bn_stats: bool = False,
 ) -> FeatureClassifier:
     """conv3x3-norm-ReLU-maxpool blocks, global average pool, linear classifier."""
     widths = tuple(int(w) for w in widths)
@@ -59,4 +60,5 @@ def small_cnn(
         for in_c, out_c in zip((3, *widths[:-1]), widths, strict=True)
     ]
     featurizer = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    return FeatureClassifier(featurizer, nn.Linear(widths[-1], num_classes), widths[-1])
+    classifier = nn.Linear(widths[-1], num_classes)
+    return FeatureClassifier(featurizer, classifier, widths[-1], freeze_bn_stats=freeze_bn_stats)

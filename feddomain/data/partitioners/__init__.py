@@ -55,8 +55,7 @@ def partition(
     unknown = sorted(set(params) - set(required) - set(optional))
     if unknown:
         raise ConfigError(
-            f"partitioner {name!r} has no parameter {unknown[0]!r}; "
-            f"it takes {required + optional}"
+            f"partitioner {name!r} has no parameter {unknown[0]!r}; it takes {required + optional}"
         )
     missing = [p for p in required if p not in params]
     if missing:

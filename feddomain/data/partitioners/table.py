@@ -9,16 +9,16 @@ from __future__ import annotations
 import csv
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
+from rich.console import Console
 from rich.table import Table
 
 from feddomain.errors import DataError
 
 
-def count_table(
-    parts: Sequence[np.ndarray], domain_ids: np.ndarray, n_domains: int
-) -> np.ndarray:
+def count_table(parts: Sequence[np.ndarray], domain_ids: np.ndarray, n_domains: int) -> np.ndarray:
     """[n_parts, n_domains] int64: samples of domain j held by part (client) i.
 
     ``domain_ids`` maps every global sample index to its domain (e.g. ``dataset.domain_ids``).
@@ -37,8 +37,9 @@ def count_table(
 
 def station_table(client_table: np.ndarray, stations: Sequence[np.ndarray]) -> np.ndarray:
     """[n_stations, n_domains]: the client rows summed over each station's clients."""
-    return np.stack([client_table[np.asarray(members, dtype=np.int64)].sum(axis=0)
-                     for members in stations])
+    return np.stack(
+        [client_table[np.asarray(members, dtype=np.int64)].sum(axis=0) for members in stations]
+    )
 
 
 def _header(domain_names: Sequence[str], table: np.ndarray, row_label: str) -> list[str]:
@@ -79,3 +80,42 @@ def write_table_csv(
         for i, row in enumerate(table):
             writer.writerow([i, *(int(v) for v in row), int(row.sum())])
     return path
+
+
+class _Split(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class PartitionView(Protocol):
+    """What :func:`render_tables` reads from a federation's data (``FederatedData``)."""
+
+    domains: tuple[str, ...]
+    split: _Split
+    client_domain_counts: np.ndarray
+    stations: list[np.ndarray] | None
+
+
+def render_tables(
+    fed: PartitionView, *, console: Console, csv_path: str | Path | None = None
+) -> list[Path]:
+    """Print the client x domain table (and station x domain when there are stations).
+
+    With ``csv_path``, each table is also written as CSV; the split name (and ``stations``) is
+    added to the file stem, so one path serves every split of a leave-one-domain-out config.
+    Returns the CSV paths written.
+    """
+    tables = [("client", fed.client_domain_counts)]
+    if fed.stations is not None:
+        tables.append(("station", station_table(fed.client_domain_counts, fed.stations)))
+    written = []
+    for level, table in tables:
+        title = f"{fed.split.name}: {level} x domain training samples"
+        console.print(render_table(table, fed.domains, row_label=level, title=title))
+        if csv_path is not None:
+            path = Path(csv_path)
+            tag = fed.split.name if level == "client" else f"{fed.split.name}_stations"
+            target = path.with_name(f"{path.stem}_{tag}{path.suffix or '.csv'}")
+            written.append(write_table_csv(target, table, fed.domains, row_label=level))
+            console.print(f"wrote {target}")
+    return written

