@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except FeddomainError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
@@ -157,19 +158,26 @@ def run_experiment(
 
 def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
     """The resolved config (re-loadable as is) and the provenance of the code that ran it."""
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     import torch
+
 
     provenance = {
         "feddomain_version": feddomain.__version__,
         "git_commit": _git_commit(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "python": sys.version.split()[0],
         "command": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seed": cfg.seed,
     }
-    (run_dir / "provenance.yaml").write_text(yaml.safe_dump(provenance, sort_keys=False))
+    _write_atomic(run_dir / "provenance.yaml", yaml.safe_dump(provenance, sort_keys=False))
+    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _git_commit() -> str:

@@ -118,7 +118,7 @@ def read(entry: CacheEntry, key: str, n_sources: int,
     if problem is None:
         size = entry.images.stat().st_size if entry.images.exists() else None
         if size != meta["nbytes"]:
-            problem = f"{entry.images} has {size} bytes, expected {meta['nbytes']}"
+            problem = f"it has {size} bytes, expected {meta['nbytes']}"
     if problem is not None:
         log.warning("cache entry %s does not match its metadata (%s); rebuilding",
                     entry.images, problem)

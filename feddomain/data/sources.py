@@ -199,7 +199,10 @@ def _subfolders(folder: Path) -> list[str]:
 
 
 def _domains(dataset_dir: Path, spec: DatasetSpec, problems: list[str]) -> tuple[str, ...]:
-    found = [f for f in _subfolders(dataset_dir) if f not in AUX_FOLDERS]
+    aux = set(AUX_FOLDERS)
+    if spec.split_lists and len(Path(spec.split_lists).parts) > 1:
+        aux.add(Path(spec.split_lists).parts[0])  # the folder holding the official lists
+    found = [f for f in _subfolders(dataset_dir) if f not in aux]
     if spec.domains is None:
         if not found:
             problems.append(f"no domain folders in {dataset_dir}")
@@ -364,29 +367,43 @@ def decode_image(path: PathLike, resolution: int) -> np.ndarray:
 
 
 def load_split_list(root: PathLike, name: str, domain: str, split: str) -> list[tuple[str, int]]:
-    """An official split list as (relative path, 0-based label) pairs, in file order."""
+    """An official split list as (relative path, 0-based label) pairs, in file order.
+
+    Each line's path names its class folder, so the list is checked against it: a line whose
+    label disagrees with its folder, or a repeated line, is logged as a warning naming the list
+    and line, and the folder's label / the first occurrence is kept (the folder is what the
+    loaded dataset is labelled by). A line that names no file of ``domain`` is an error.
+    """
     spec = get_spec(name)
     path = _split_list_path(root, spec, domain, split)
     if not path.is_file():
         raise DataError(f"split list {path} not found")
-    n_classes = len(spec.classes) if spec.classes is not None else None
-    entries = []
+    classes = spec.classes or ()  # never empty: checked by _split_list_path
+    entries: dict[str, int] = {}
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         fields = line.split()
-        if len(fields) != 2 or not re.fullmatch(r"-?\d+", fields[1]):
+        parts = fields[0].replace("\\", "/").split("/")
+        if len(fields) != 2 or not re.fullmatch(r"-?\d+", fields[1]) or len(parts) != 3:
             raise DataError(f"{path}:{lineno}: expected '<domain>/<class>/<file> <label>', "
                             f"got {line!r}")
-        label = int(fields[1]) - spec.split_label_base
-        if label < 0 or (n_classes is not None and label >= n_classes):
-            raise DataError(f"{path}:{lineno}: label {fields[1]} is out of range")
-        entries.append((fields[0].replace("\\", "/"), label))
-    return entries
+        if parts[0] != domain or parts[1] not in classes:
+            raise DataError(f"{path}:{lineno}: {fields[0]} is not in a class folder of "
+                            f"{spec.name} domain {domain}")
+        rel, label = "/".join(parts), classes.index(parts[1])
+        if int(fields[1]) - spec.split_label_base != label:
+            log.warning("%s:%d: label %s does not match the class folder of %s; using %d (%s)",
+                        path, lineno, fields[1], rel, label + spec.split_label_base, parts[1])
+        if rel in entries:
+            log.warning("%s:%d: %s is listed again; the repeat is ignored", path, lineno, rel)
+            continue
+        entries[rel] = label
+    return list(entries.items())
 
 
 def _split_list_path(root: PathLike, spec: DatasetSpec, domain: str, split: str) -> Path:
-    if spec.split_lists is None or spec.domains is None:
+    if spec.split_lists is None or spec.domains is None or spec.classes is None:
         raise DataError(f"dataset {spec.name} has no official split lists")
     if domain not in spec.domains:
         raise DataError(f"unknown {spec.name} domain {domain!r}; domains: {list(spec.domains)}")
@@ -399,23 +416,13 @@ def official_split_indices(dataset: DomainDataset, root: PathLike, domain: str,
                            split: str) -> np.ndarray:
     """Global indices (sorted, int64) of the samples an official split list names.
 
-    Fails naming the list if a listed file is not in ``dataset`` (e.g. skipped as corrupt), is
-    listed twice, or carries a label different from its class folder.
+    Fails naming the list if a listed file is not in ``dataset`` (e.g. skipped as corrupt).
     """
     entries = load_split_list(root, dataset.name, domain, split)
-    where = _split_list_path(root, get_spec(dataset.name), domain, split)
     position = {p: i for i, p in enumerate(dataset.paths)}
-    labels = dataset.labels.numpy()
-    indices = np.empty(len(entries), dtype=np.int64)
-    for k, (rel, label) in enumerate(entries):
-        i = position.get(rel)
-        if i is None:
-            raise DataError(f"split list {where} names {rel}, which is not in the loaded "
-                            f"{dataset.name} dataset")
-        if labels[i] != label:
-            raise DataError(f"split list {where} gives {rel} label {label} (0-based) but its "
-                            f"class folder says {labels[i]}")
-        indices[k] = i
-    if len(np.unique(indices)) != len(indices):
-        raise DataError(f"split list {where} names some files more than once")
-    return np.sort(indices)
+    missing = [rel for rel, _ in entries if rel not in position]
+    if missing:
+        where = _split_list_path(root, get_spec(dataset.name), domain, split)
+        raise DataError(f"split list {where} names {len(missing)} file(s) not in the loaded "
+                        f"{dataset.name} dataset, e.g. {missing[0]}")
+    return np.sort(np.array([position[rel] for rel, _ in entries], dtype=np.int64))

@@ -72,8 +72,8 @@ def _domain_for_letter(letter: str, domains: Sequence[str], scheme: str) -> str:
 def parse_scheme(scheme: str, domains: Sequence[str]) -> DomainSplit:
     """``"ac-p-s"`` -> train (art, cartoon), val (photo), test (sketch), by first letters.
 
-    ``"lodo-<domain>"`` gives that domain's leave-one-domain-out split, so ``parse_scheme`` reads
-    back every :attr:`DomainSplit.name` whose initials are unambiguous.
+    ``"lodo-<domain>"`` gives that domain's leave-one-domain-out split, so the names of
+    leave-one-domain-out splits and of letter schemes read back to the same split.
     """
     domains = tuple(domains)
     if scheme.startswith("lodo-"):

@@ -31,7 +31,7 @@ def check_alpha(name: str, alpha: float | None, *, allow_inf: bool = False) -> f
     """Validate a concentration; ``None`` means infinity (equal shares) where that is allowed."""
     value = math.inf if alpha is None else alpha
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
-    if not ok or (math.isinf(value) and not allow_inf) or math.isnan(value):
+    if not ok or (math.isinf(value) and not allow_inf):
         allowed = "a positive number or None/inf" if allow_inf else "a positive finite number"
         raise ConfigError(f"{name} must be {allowed}, got {alpha!r}")
     return float(value)

@@ -88,7 +88,6 @@ def split_station_dirichlet(
     perms = [
         stream(seed, "station_dirichlet/shuffle", j).permutation(g) for j, g in enumerate(groups)
     ]
-    client_rng = stream(seed, "station_dirichlet/clients")
     clients: list[np.ndarray] = []
     # a station's block of each shuffled domain is itself a random sample in random order
     for s, local in enumerate(blocks(perms, station_counts)):
@@ -96,7 +95,7 @@ def split_station_dirichlet(
             sizes_of(local),
             per_station,
             alpha_client,
-            client_rng,
+            stream(seed, "station_dirichlet/clients", s),
             min_size,
             f"station {s} (clients_per_station={per_station}, alpha_client={alpha_client})",
         )

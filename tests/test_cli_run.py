@@ -1,0 +1,111 @@
+"""`feddomain run` end to end: outputs, refusal to overwrite, and SIGKILL + resume equality."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from feddomain.cli import main
+
+SMALL = {
+    "name": "resume-test", "seed": 3, "rounds": 4,
+    "dataset": {"name": "digits_embedded", "resolution": 32},
+    "split": {"scheme": "lodo", "targets": ["grey"]},
+    "partition": {"n_clients": 3, "d": 1},
+    "model": {"name": "lenet5"},
+    "train": {"batch_size": 64, "optimizer": "adam", "lr": 0.002},
+    "eval": {"every": 2}, "checkpoint": {"every": 1}, "threads": 1,
+}
+REQUIRED = {"algorithm", "dataset", "target_domains", "seed", "rounds", "id_acc", "ood_acc",
+            "ood_ece", "ood_nll", "per_domain", "selection", "wall_time_s"}
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "small.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(small_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run every killed-and-resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main(["run", str(small_config), "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "feddomain.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _summary(run_dir: Path) -> dict:
+    s = json.loads((run_dir / "summary.json").read_text())
+    s.pop("wall_time_s")
+    return s
+
+
+def test_run_writes_config_metrics_and_summary(small_config, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", str(small_config), "rounds=2", "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert REQUIRED <= set(summary)
+    assert summary["target_domains"] == ["grey"] and summary["rounds"] == 2
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [2]
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["rounds"] == 2 and saved["seed"] == 3
+    assert "git_commit" in yaml.safe_load((out / "provenance.yaml").read_text())
+
+
+def test_existing_output_directory_is_never_overwritten(small_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier results")
+    assert main(["run", str(small_config), "--out", str(out), "--quiet"]) == 2
+    assert "already holds files" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "earlier results"
+
+
+@pytest.mark.parametrize("kill_after_checkpoints", [0, 1, 3])
+def test_sigkill_then_resume_matches_uninterrupted_run(
+    small_config, reference, tmp_path, kill_after_checkpoints
+):
+    out = tmp_path / "killed"
+    proc = _cli("run", str(small_config), "--out", str(out), "--quiet")
+    deadline = time.time() + 120
+    seen = 0
+    last_mtime = None
+    while seen < kill_after_checkpoints and proc.poll() is None and time.time() < deadline:
+        ckpt = out / "checkpoint.pt"
+        if ckpt.exists() and ckpt.stat().st_mtime_ns != last_mtime:
+            last_mtime = ckpt.stat().st_mtime_ns
+            seen += 1
+        time.sleep(0.02)
+    if kill_after_checkpoints == 0:  # during round 1, before any checkpoint
+        while not (out / "config.yaml").exists() and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "summary.json").exists() or kill_after_checkpoints > 0
+
+    resumed = _cli("run", "--resume", str(out), "--quiet")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert _summary(out) == _summary(reference)
+    ref_lines = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    got_lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda rec: {k: v for k, v in rec.items() if k != "time"}  # noqa: E731
+    assert [strip(r) for r in got_lines] == [strip(r) for r in ref_lines]
+    assert not (out / "checkpoint.pt").exists()
