@@ -63,7 +63,8 @@ class ModelConfig(Section):
 
 class AugmentSection(Section):
     hflip: bool = False
-    random_resized_crop: tuple[float, float] | None = None
+    random_resized_crop: tuple[float, float] | None = None  # area scale range, e.g. (0.7, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     color_jitter: tuple[float, float, float, float] | None = None
     grayscale_p: float = Field(0.0, ge=0.0, le=1.0)
 

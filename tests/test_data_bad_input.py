@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from feddomain.data.describe import describe
+from feddomain.data.describe import describe, render
 from feddomain.data.sources import (
     DATASETS,
     DatasetSpec,
@@ -25,11 +25,12 @@ from feddomain.errors import ConfigError, DataError
 
 
 @pytest.fixture(autouse=True)
-def tiny_spec(monkeypatch):
-    spec = DatasetSpec("Tiny", "tiny_set", ("a", "b"), ("x", "y"),
-                       split_lists="lists/{domain}_{split}.txt", splits=("train", "val"))
-    monkeypatch.setitem(DATASETS, "Tiny", spec)
-    return spec
+def tiny_specs(monkeypatch):
+    """Two presets over the same folder layout, the second with official split lists."""
+    monkeypatch.setitem(DATASETS, "Tiny", DatasetSpec("Tiny", "tiny_set", ("a", "b"), ("x", "y")))
+    monkeypatch.setitem(DATASETS, "TinyLists", DatasetSpec(
+        "TinyLists", "tiny_set", ("a", "b"), ("x", "y"),
+        split_lists="lists/{domain}_{split}.txt", splits=("train", "val")))
 
 
 def colour(k: int) -> tuple[int, int, int]:
@@ -49,8 +50,8 @@ def make(base: Path, layout: dict[str, dict[str, int]]) -> Path:
 GOOD = {"a": {"x": 3, "y": 3}, "b": {"x": 3, "y": 3}}
 
 
-def load(root: Path, tmp_path: Path, **kwargs):
-    return load_dataset("tiny", root, 4, tmp_path / "cache", **kwargs)
+def load(root: Path, tmp_path: Path, name: str = "tiny", **kwargs):
+    return load_dataset(name, root, 4, tmp_path / "cache", **kwargs)
 
 
 def quoted(path: Path) -> str:
@@ -183,6 +184,16 @@ def test_a_cached_skip_still_fails_without_skip_corrupt(tmp_path):
         load(tmp_path, tmp_path)
 
 
+def test_no_readable_image_at_all(tmp_path):
+    make(tmp_path / "tiny_set", {"a": {"x": 0, "y": 0}, "b": {"x": 0, "y": 0}})
+    for rel in ("a/x/0.png", "a/y/0.png", "b/x/0.png", "b/y/0.png"):
+        corrupt("not an image", tmp_path / "tiny_set" / rel)
+    with pytest.raises(DataError, match="none of the 4 image files in .* can be decoded, e.g. "
+                                        f"{quoted(tmp_path / 'tiny_set' / 'a' / 'x' / '0.png')}"):
+        load(tmp_path, tmp_path, skip_corrupt=True)
+    assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+
+
 def test_non_image_files_are_ignored_by_extension(tmp_path):
     make(tmp_path / "tiny_set", GOOD)
     (tmp_path / "tiny_set" / "a" / "x" / "labels.csv").write_text("1,2")
@@ -204,13 +215,13 @@ def test_split_list_missing(tmp_path):
     make(tmp_path / "tiny_set", GOOD)
     path = tmp_path / "tiny_set" / "lists" / "a_val.txt"
     with pytest.raises(DataError, match=f"split list {quoted(path)} not found"):
-        load_split_list(tmp_path, "tiny", "a", "val")
+        load_split_list(tmp_path, "tinylists", "a", "val")
 
 
 def test_split_list_naming_a_file_not_in_the_dataset(tmp_path):
     make(tmp_path / "tiny_set", GOOD)
     path = write_list(tmp_path, "a_train.txt", ["a/x/0.png 1", "a/y/7.png 2"])
-    ds = load(tmp_path, tmp_path)
+    ds = load(tmp_path, tmp_path, "tinylists")
     with pytest.raises(DataError, match=f"split list {quoted(path)} names 1 file.* a/y/7.png"):
         official_split_indices(ds, tmp_path, "a", "train")
 
@@ -218,8 +229,9 @@ def test_split_list_naming_a_file_not_in_the_dataset(tmp_path):
 def test_split_list_maps_to_global_indices(tmp_path):
     make(tmp_path / "tiny_set", GOOD)
     write_list(tmp_path, "b_val.txt", ["b/y/2.png 2", "b/x/0.png 1"])
-    ds = load(tmp_path, tmp_path)
-    assert load_split_list(tmp_path, "tiny", "b", "val") == [("b/y/2.png", 1), ("b/x/0.png", 0)]
+    ds = load(tmp_path, tmp_path, "tinylists")
+    entries = load_split_list(tmp_path, "tinylists", "b", "val")
+    assert entries == [("b/y/2.png", 1), ("b/x/0.png", 0)]
     # storage order a/x/0..2, a/y/0..2, b/x/0..2, b/y/0..2
     assert official_split_indices(ds, tmp_path, "b", "val").tolist() == [6, 11]
 
@@ -227,22 +239,22 @@ def test_split_list_maps_to_global_indices(tmp_path):
 @pytest.mark.parametrize(("line", "says"), [
     ("a/x/0.png", "expected '<domain>/<class>/<file> <label>'"),
     ("a/x/0.png one", "expected '<domain>/<class>/<file> <label>'"),
-    ("b/x/0.png 1", "b/x/0.png is not in a class folder of Tiny domain a"),
-    ("a/q/0.png 1", "a/q/0.png is not in a class folder of Tiny domain a"),
+    ("b/x/0.png 1", "b/x/0.png is not in a class folder of TinyLists domain a"),
+    ("a/q/0.png 1", "a/q/0.png is not in a class folder of TinyLists domain a"),
 ])
 def test_malformed_split_list_line_is_named_with_its_number(tmp_path, line, says):
     make(tmp_path / "tiny_set", GOOD)
     path = write_list(tmp_path, "a_train.txt", ["a/x/1.png 1", line])
     with pytest.raises(DataError, match=f"{quoted(path)}:2: {re.escape(says)}"):
-        load_split_list(tmp_path, "tiny", "a", "train")
+        load_split_list(tmp_path, "tinylists", "a", "train")
 
 
 def test_wrong_split_or_domain_or_a_dataset_without_lists(tmp_path):
     make(tmp_path / "tiny_set", GOOD)
-    with pytest.raises(DataError, match=r"unknown Tiny split 'test'; splits: \['train', 'val'\]"):
-        load_split_list(tmp_path, "tiny", "a", "test")
-    with pytest.raises(DataError, match="unknown Tiny domain 'c'"):
-        load_split_list(tmp_path, "tiny", "c", "train")
+    with pytest.raises(DataError, match=r"unknown TinyLists split 'test'; splits: \['train', "):
+        load_split_list(tmp_path, "tinylists", "a", "test")
+    with pytest.raises(DataError, match="unknown TinyLists domain 'c'"):
+        load_split_list(tmp_path, "tinylists", "c", "train")
     with pytest.raises(DataError, match="dataset VLCS has no official split lists"):
         load_split_list(tmp_path, "vlcs", "SUN09", "train")
 
@@ -281,10 +293,27 @@ def test_describe_renders_counts_sizes_and_problems(tmp_path):
     Image.new("L", (20, 6)).save(tmp_path / "tiny_set" / "b" / "x" / "wide.png")
     report = describe("tiny", tmp_path)
     console = Console(record=True, width=200)
-    console.print(report)
+    render(report, console)
     text = console.export_text()
     assert report.total == 5 and report.counts.tolist() == [[2, 1], [2, 0]]
     assert report.width == (8, 20) and report.height == (6, 8)
     assert report.modes == {"RGB": 4, "L": 1}
     assert "Tiny: 5 images in" in text and "width 8..20, height 6..8" in text
     assert "1 problem(s)" in text and "empty class folder" in text
+
+
+def test_describe_checks_the_official_split_lists(tmp_path):
+    make(tmp_path / "tiny_set", GOOD)
+    write_list(tmp_path, "a_val.txt", ["a/x/0.png 1"])  # a correct list: no problem
+    bad = write_list(tmp_path, "a_train.txt", ["a/x/1.png 2", "a/y/0.png 2", "a/y/0.png 2",
+                                               "a/y/5.png 2"])
+    report = describe("tinylists", tmp_path)
+    assert report.counts.tolist() == [[3, 3], [3, 3]]
+    lists = tmp_path / "tiny_set" / "lists"
+    assert list(report.problems) == [
+        f"{bad}:1: label 2 does not match the class folder of a/x/1.png; using 1 (x)",
+        f"{bad}:3: a/y/0.png is listed again; the repeat is ignored",
+        f"split list {bad} names 1 missing file(s), e.g. a/y/5.png",
+        f"split list {lists / 'b_train.txt'} not found",
+        f"split list {lists / 'b_val.txt'} not found",
+    ]

@@ -150,3 +150,11 @@ def test_bad_resolution_is_a_config_error(bad) -> None:
 def test_non_finite_rotation_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="rotation"):
         load_embedded_digits(rotation=float("nan"))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "0"])
+def test_bad_seed_is_a_config_error(bad) -> None:
+    with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
+        load_embedded_digits(seed=bad)
+    with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
+        embedded_source_indices(seed=bad)

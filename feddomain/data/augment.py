@@ -22,6 +22,8 @@ from feddomain.errors import ConfigError, DataError
 
 _CROP_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its fallback
 _GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale (ITU-R 601-2 luma)
+# HSV -> RGB weights w_c = clamp(offset + slope * |hue - centre|) per channel (R, G, B)
+_HUE_WEIGHTS = ((3.0, 2.0, 4.0), (-1.0, 1.0, 1.0), (2.0, -1.0, -1.0))
 
 
 @dataclass(frozen=True)
@@ -143,23 +145,26 @@ def adjust_saturation(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Rotate hue by ``shift`` turns in [-0.5, 0.5] in HSV space, as torchvision does.
 
-    HSV keeps each pixel's max and min channel, so RGB -> HSV -> RGB collapses to
-    ``rgb = max - (max - min) * ramp(k)``, ``k = (n + 6 * hue) mod 6`` with n = 5, 3, 1 for R, G, B
-    and ``ramp(k) = clamp(min(k, 4 - k), 0, 1)``: branch-free, one expression for the whole batch.
+    An HSV hue shift keeps each pixel's max and min channel, so RGB -> HSV -> RGB collapses to
+    ``rgb = max - (max - min) * w(h)`` with the hue ``h`` in sextants [0, 6) and piecewise-linear
+    weights ``w_R = 2 - |h-3|``, ``w_G = |h-2| - 1``, ``w_B = |h-4| - 1``, each clamped to [0,1]:
+    branch-free, one expression for the whole batch.
     """
     r, g, b = x.unbind(1)
-    minc, maxc = torch.aminmax(x, dim=1)
+    maxc = torch.maximum(torch.maximum(r, g), b)
+    minc = torch.minimum(torch.minimum(r, g), b)
     spread = maxc - minc
-    r_max, g_max = maxc == r, maxc == g
-    # hue in sextants [0, 6): which channel is the max decides the sector (R wins ties, then G)
+    r_max = maxc == r
+    g_max = (maxc == g) & ~r_max  # ties go to R, then G, as in torchvision
     rise = torch.where(r_max, g - b, torch.where(g_max, b - r, r - g))
-    sector = torch.where(r_max, 0.0, torch.where(g_max, 2.0, 4.0))
-    safe = torch.where(spread > 0, spread, torch.ones_like(spread))  # grey pixels: rise is 0
-    hue6 = (rise / safe).add_(sector).add_(6 * _per_sample(shift).squeeze(1))
-    offsets = torch.tensor([5.0, 3.0, 1.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    k = (offsets + hue6.unsqueeze(1)).remainder_(6)
-    ramp = torch.minimum(k, 4 - k).clamp_(0, 1)
-    return maxc.unsqueeze(1) - spread.unsqueeze(1) * ramp
+    sector = 4.0 - 4.0 * r_max - 2.0 * g_max  # R: 0, G: 2, B: 4
+    hue = rise / torch.where(spread > 0, spread, 1.0)  # grey pixels: rise is 0
+    hue = (hue + sector + 6 * _per_sample(shift).squeeze(1)).remainder_(6).unsqueeze(1)
+    centre, slope, offset = (
+        torch.tensor(v, dtype=x.dtype, device=x.device).view(1, 3, 1, 1) for v in _HUE_WEIGHTS
+    )
+    weight = (hue - centre).abs_().mul_(slope).add_(offset).clamp_(0, 1)
+    return maxc.unsqueeze(1) - spread.unsqueeze(1) * weight
 
 
 def sample_crop_boxes(

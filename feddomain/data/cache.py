@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,10 +162,9 @@ class CacheWriter:
         folder = self.entry.images.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=self.entry.images.name, suffix=".tmp")
+            fd, self._tmp = _create_tmp(self.entry.images)
         except OSError as exc:
             raise _unwritable(folder, exc) from exc
-        self._tmp = Path(tmp)
         self._file = os.fdopen(fd, "wb")
         return self
 
@@ -207,8 +206,15 @@ class CacheWriter:
             self._tmp.unlink(missing_ok=True)
 
 
+def _create_tmp(target: Path) -> tuple[int, Path]:
+    """A new, uniquely named file beside ``target``; unlike ``mkstemp`` (always 0600) its
+    permissions follow the umask, so a cache folder shared by a group stays readable."""
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = _create_tmp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -216,7 +222,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
 
 

