@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-        format="%(message)s", handlers=[RichHandler(console=console, show_path=False)],
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
     )
     try:
         args.func(args)
@@ -58,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run one experiment config (all its target splits)")
     run.add_argument("config", type=Path, nargs="?", help="YAML config (optional with --resume)")
-    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rounds=50 algorithm.mu=0.01")
+    run.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. rounds=50 algorithm.mu=0.01"
+    )
     run.add_argument("--out", type=Path, help="new output directory")
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -145,13 +148,20 @@ def run_experiment(
         run_dir.mkdir(parents=True, exist_ok=True)
         if run_dir != out:
             _write_config(run_dir, cfg)
-        with _progress(quiet, f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}", cfg.rounds) as tick:
+        with _progress(
+            quiet, f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}", cfg.rounds
+        ) as tick:
             sim = Simulation(cfg, fed, run_dir, progress=tick)
             summary = sim.run()
         logging.getLogger("feddomain").info(
-            "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs", summary["algorithm"], split.name,
-            summary["id_acc"] or float("nan"), summary["ood_acc"], summary["selection"],
-            summary["selected_round"], summary["wall_time_s"],
+            "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs",
+            summary["algorithm"],
+            split.name,
+            summary["id_acc"] or float("nan"),
+            summary["ood_acc"],
+            summary["selection"],
+            summary["selected_round"],
+            summary["wall_time_s"],
         )
     return run_dirs
 
@@ -159,7 +169,6 @@ def run_experiment(
 def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
     """The resolved config (re-loadable as is) and the provenance of the code that ran it."""
     import torch
-
 
     provenance = {
         "feddomain_version": feddomain.__version__,
@@ -184,7 +193,9 @@ def _git_commit() -> str:
     try:
         res = subprocess.run(
             ["git", "-C", str(PROJECT_ROOT), "describe", "--always", "--dirty", "--abbrev=40"],
-            capture_output=True, text=True, timeout=5,
+            capture_output=True,
+            text=True,
+            timeout=5,
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -197,20 +208,33 @@ class _progress:
     def __init__(self, quiet: bool, label: str, total: int) -> None:
         self.quiet, self.label, self.total = quiet, label, total
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         if self.quiet:
             return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console, transient=True,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
         )
         self.bar.start()
         task = self.bar.add_task(self.label, total=self.total, status="")
 
         def tick(rnd: int, record: dict | None) -> None:
-            status = f"id {record['id_acc'] or 0:.3f} ood {record['ood_acc']:.3f}" if record else None
+            status = (
+                f"id {record['id_acc'] or 0:.3f} ood {record['ood_acc']:.3f}" if record else None
+            )
             self.bar.update(task, completed=rnd, **({"status": status} if status else {}))
 
         return tick

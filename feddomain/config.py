@@ -23,7 +23,9 @@ class Section(BaseModel):
 
 class DatasetConfig(Section):
     name: str = "digits_embedded"
-    root: str | None = None  # directory holding <Dataset>/<domain>/<class>/...; not needed for embedded
+    root: str | None = (
+        None  # directory holding <Dataset>/<domain>/<class>/...; not needed for embedded
+    )
     resolution: int = Field(32, ge=8, le=512)
     cache_dir: str | None = None
     skip_corrupt: bool = False
@@ -140,7 +142,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(raw).__name__}")
+            raise ConfigError(
+                f"config file {path} must hold a mapping of keys, got {type(raw).__name__}"
+            )
     for item in overrides or []:
         apply_override(raw, item)
     return validate_config(raw, source=str(path) if path else "defaults")

@@ -6,7 +6,7 @@ class FeddomainError(Exception):
 
 
 class DataError(FeddomainError):
-    """A data root, domain folder, image file or cache file is missing, malformed or inconsistent."""
+    """A data root, domain folder, image or cache file is missing, malformed or inconsistent."""
 
 
 class ConfigError(FeddomainError):

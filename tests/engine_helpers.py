@@ -13,14 +13,18 @@ from feddomain.data.splits import leave_one_domain_out
 from feddomain.federation.simulation import Simulation
 
 
-def tiny_dataset(n_per_domain: int = 40, n_domains: int = 4, n_classes: int = 3, seed: int = 0) -> DomainDataset:
+def tiny_dataset(
+    n_per_domain: int = 40, n_domains: int = 4, n_classes: int = 3, seed: int = 0
+) -> DomainDataset:
     """Random 32 px images whose mean colour depends on the class, so models can learn a bit."""
     g = torch.Generator().manual_seed(seed)
     n = n_per_domain * n_domains
     labels = torch.arange(n) % n_classes
     domain_ids = torch.arange(n) // n_per_domain
     base = torch.randint(0, 120, (n, 3, 32, 32), generator=g)
-    images = (base + 40 * labels.view(-1, 1, 1, 1) + 10 * domain_ids.view(-1, 1, 1, 1)).clamp(0, 255)
+    images = (base + 40 * labels.view(-1, 1, 1, 1) + 10 * domain_ids.view(-1, 1, 1, 1)).clamp(
+        0, 255
+    )
     return DomainDataset(
         name="tiny",
         domains=tuple(f"d{i}" for i in range(n_domains)),
@@ -33,11 +37,14 @@ def tiny_dataset(n_per_domain: int = 40, n_domains: int = 4, n_classes: int = 3,
 
 def tiny_config(**overrides: object) -> ExperimentConfig:
     raw: dict = {
-        "rounds": 3, "seed": 0, "dataset": {"name": "tiny"},
+        "rounds": 3,
+        "seed": 0,
+        "dataset": {"name": "tiny"},
         "partition": {"n_clients": 3, "d": 1},
         "model": {"name": "lenet5"},
         "train": {"batch_size": 16, "lr": 0.01, "optimizer": "sgd"},
-        "eval": {"every": 1}, "checkpoint": {"every": 0},
+        "eval": {"every": 1},
+        "checkpoint": {"every": 0},
     }
     for key, value in overrides.items():
         node = raw

@@ -142,12 +142,15 @@ def test_truncated_image_file_is_rebuilt_with_a_warning(folder, tmp_path, monkey
     assert torch.equal(expected, again.images) and u8.stat().st_size == full
 
 
-@pytest.mark.parametrize(("edit", "says"), [
-    (lambda m: m.update(key="0" * 64), "is stale"),
-    (lambda m: m.update(shape=[11, 3, 4, 4], nbytes=11 * 48), "does not match its metadata"),
-    (lambda m: m.pop("skipped"), "malformed metadata"),
-    (lambda m: m.update(dtype="float32"), "does not match its metadata"),
-])
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda m: m.update(key="0" * 64), "is stale"),
+        (lambda m: m.update(shape=[11, 3, 4, 4], nbytes=11 * 48), "does not match its metadata"),
+        (lambda m: m.pop("skipped"), "malformed metadata"),
+        (lambda m: m.update(dtype="float32"), "does not match its metadata"),
+    ],
+)
 def test_mismatched_metadata_is_never_trusted(folder, tmp_path, monkeypatch, caplog, edit, says):
     first = load_dataset("folder", folder, 4, tmp_path / "cache")
     (meta_path,) = (tmp_path / "cache").glob("*.json")
@@ -179,8 +182,11 @@ def test_images_are_mapped_copy_on_write_from_the_cache_file(folder, tmp_path):
     maps = Path("/proc/self/maps")
     if maps.exists():  # Linux: the tensor's memory is a mapping of the cache file, not a copy
         ptr = ds.images.data_ptr()
-        spans = [line.split()[0].split("-") for line in maps.read_text().splitlines()
-                 if line.endswith(str(u8.resolve()))]
+        spans = [
+            line.split()[0].split("-")
+            for line in maps.read_text().splitlines()
+            if line.endswith(str(u8.resolve()))
+        ]
         assert any(int(lo, 16) <= ptr < int(hi, 16) for lo, hi in spans)
     half = ds.images[:6].float() / 255  # later code can convert slices
     assert half.dtype == torch.float32 and half.shape == (6, 3, 4, 4)

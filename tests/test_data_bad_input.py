@@ -28,9 +28,18 @@ from feddomain.errors import ConfigError, DataError
 def tiny_specs(monkeypatch):
     """Two presets over the same folder layout, the second with official split lists."""
     monkeypatch.setitem(DATASETS, "Tiny", DatasetSpec("Tiny", "tiny_set", ("a", "b"), ("x", "y")))
-    monkeypatch.setitem(DATASETS, "TinyLists", DatasetSpec(
-        "TinyLists", "tiny_set", ("a", "b"), ("x", "y"),
-        split_lists="lists/{domain}_{split}.txt", splits=("train", "val")))
+    monkeypatch.setitem(
+        DATASETS,
+        "TinyLists",
+        DatasetSpec(
+            "TinyLists",
+            "tiny_set",
+            ("a", "b"),
+            ("x", "y"),
+            split_lists="lists/{domain}_{split}.txt",
+            splits=("train", "val"),
+        ),
+    )
 
 
 def colour(k: int) -> tuple[int, int, int]:
@@ -74,15 +83,17 @@ def test_root_that_is_a_file(tmp_path):
 
 def test_missing_dataset_folder(tmp_path):
     (tmp_path / "data" / "other").mkdir(parents=True)
-    with pytest.raises(DataError, match=f"dataset folder {quoted(tmp_path / 'data' / 'tiny_set')}"
-                                        " not found"):
+    with pytest.raises(
+        DataError, match=f"dataset folder {quoted(tmp_path / 'data' / 'tiny_set')} not found"
+    ):
         load(tmp_path / "data", tmp_path)
 
 
 def test_missing_domain_folder(tmp_path):
     make(tmp_path / "tiny_set", {"a": GOOD["a"]})
-    with pytest.raises(DataError, match="missing domain folder "
-                       f"{quoted(tmp_path / 'tiny_set' / 'b')}") as err:
+    with pytest.raises(
+        DataError, match=f"missing domain folder {quoted(tmp_path / 'tiny_set' / 'b')}"
+    ) as err:
         load(tmp_path, tmp_path)
     assert "unexpected" not in str(err.value)
 
@@ -90,8 +101,9 @@ def test_missing_domain_folder(tmp_path):
 def test_unexpected_domain_folder(tmp_path):
     make(tmp_path / "tiny_set", {**GOOD, "c": {"x": 1, "y": 1}})
     (tmp_path / "tiny_set" / "splits").mkdir()  # official-list folders are not domains
-    with pytest.raises(DataError, match="unexpected domain folder "
-                       f"{quoted(tmp_path / 'tiny_set' / 'c')}") as err:
+    with pytest.raises(
+        DataError, match=f"unexpected domain folder {quoted(tmp_path / 'tiny_set' / 'c')}"
+    ) as err:
         load(tmp_path, tmp_path)
     assert "splits" not in str(err.value)
 
@@ -105,16 +117,22 @@ def test_empty_class_folder(tmp_path):
 
 def test_preset_class_missing_in_one_domain(tmp_path):
     make(tmp_path / "tiny_set", {"a": GOOD["a"], "b": {"x": 2}})
-    with pytest.raises(DataError, match=f"{quoted(tmp_path / 'tiny_set' / 'b')} is missing class "
-                                        r"folders \['y'\] compared with the Tiny classes"):
+    with pytest.raises(
+        DataError,
+        match=f"{quoted(tmp_path / 'tiny_set' / 'b')} is missing class "
+        r"folders \['y'\] compared with the Tiny classes",
+    ):
         load(tmp_path, tmp_path)
 
 
 def test_discovered_classes_that_differ_across_domains(tmp_path):
     make(tmp_path / "data", {"a": {"x": 1, "y": 1}, "b": {"x": 1, "z": 1, "w": 1}})
-    with pytest.raises(DataError, match=f"{quoted(tmp_path / 'data' / 'b')} is missing class "
-                       r"folders \['y'\] and has extra class folders \['w', 'z'\] compared with "
-                       "domain a"):
+    with pytest.raises(
+        DataError,
+        match=f"{quoted(tmp_path / 'data' / 'b')} is missing class "
+        r"folders \['y'\] and has extra class folders \['w', 'z'\] compared with "
+        "domain a",
+    ):
         load_dataset("folder", tmp_path / "data", 4, tmp_path / "cache")
 
 
@@ -125,7 +143,10 @@ def test_all_layout_problems_are_listed_in_one_error(tmp_path):
     lines = str(err.value).splitlines()
     assert lines[0] == f"{tmp_path / 'tiny_set'} does not match the Tiny layout:"
     assert [line.split()[1:3] for line in lines[1:]] == [
-        ["missing", "domain"], ["unexpected", "domain"], ["empty", "class"]]
+        ["missing", "domain"],
+        ["unexpected", "domain"],
+        ["empty", "class"],
+    ]
 
 
 def test_bad_arguments(tmp_path):
@@ -188,8 +209,11 @@ def test_no_readable_image_at_all(tmp_path):
     make(tmp_path / "tiny_set", {"a": {"x": 0, "y": 0}, "b": {"x": 0, "y": 0}})
     for rel in ("a/x/0.png", "a/y/0.png", "b/x/0.png", "b/y/0.png"):
         corrupt("not an image", tmp_path / "tiny_set" / rel)
-    with pytest.raises(DataError, match="none of the 4 image files in .* can be decoded, e.g. "
-                                        f"{quoted(tmp_path / 'tiny_set' / 'a' / 'x' / '0.png')}"):
+    with pytest.raises(
+        DataError,
+        match="none of the 4 image files in .* can be decoded, e.g. "
+        f"{quoted(tmp_path / 'tiny_set' / 'a' / 'x' / '0.png')}",
+    ):
         load(tmp_path, tmp_path, skip_corrupt=True)
     assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
 
@@ -236,12 +260,15 @@ def test_split_list_maps_to_global_indices(tmp_path):
     assert official_split_indices(ds, tmp_path, "b", "val").tolist() == [6, 11]
 
 
-@pytest.mark.parametrize(("line", "says"), [
-    ("a/x/0.png", "expected '<domain>/<class>/<file> <label>'"),
-    ("a/x/0.png one", "expected '<domain>/<class>/<file> <label>'"),
-    ("b/x/0.png 1", "b/x/0.png is not in a class folder of TinyLists domain a"),
-    ("a/q/0.png 1", "a/q/0.png is not in a class folder of TinyLists domain a"),
-])
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("a/x/0.png", "expected '<domain>/<class>/<file> <label>'"),
+        ("a/x/0.png one", "expected '<domain>/<class>/<file> <label>'"),
+        ("b/x/0.png 1", "b/x/0.png is not in a class folder of TinyLists domain a"),
+        ("a/q/0.png 1", "a/q/0.png is not in a class folder of TinyLists domain a"),
+    ],
+)
 def test_malformed_split_list_line_is_named_with_its_number(tmp_path, line, says):
     make(tmp_path / "tiny_set", GOOD)
     path = write_list(tmp_path, "a_train.txt", ["a/x/1.png 1", line])
@@ -271,10 +298,12 @@ def test_describe_reports_every_problem_instead_of_raising(tmp_path):
     assert report.counts.tolist() == [[4, 0], [0, 0]]
     assert report.width == (8, 8) and report.modes == {"RGB": 3} and report.formats == {"PNG": 3}
     problems = "\n".join(report.problems)
-    for expected in (f"missing domain folder {tmp_path / 'tiny_set' / 'b'}",
-                     f"unexpected domain folder {tmp_path / 'tiny_set' / 'c'}",
-                     f"empty class folder {tmp_path / 'tiny_set' / 'a' / 'y'}",
-                     f"unreadable image {bad}"):
+    for expected in (
+        f"missing domain folder {tmp_path / 'tiny_set' / 'b'}",
+        f"unexpected domain folder {tmp_path / 'tiny_set' / 'c'}",
+        f"empty class folder {tmp_path / 'tiny_set' / 'a' / 'y'}",
+        f"unreadable image {bad}",
+    ):
         assert expected in problems
     assert len(report.problems) == 4
 
@@ -305,8 +334,9 @@ def test_describe_renders_counts_sizes_and_problems(tmp_path):
 def test_describe_checks_the_official_split_lists(tmp_path):
     make(tmp_path / "tiny_set", GOOD)
     write_list(tmp_path, "a_val.txt", ["a/x/0.png 1"])  # a correct list: no problem
-    bad = write_list(tmp_path, "a_train.txt", ["a/x/1.png 2", "a/y/0.png 2", "a/y/0.png 2",
-                                               "a/y/5.png 2"])
+    bad = write_list(
+        tmp_path, "a_train.txt", ["a/x/1.png 2", "a/y/0.png 2", "a/y/0.png 2", "a/y/5.png 2"]
+    )
     report = describe("tinylists", tmp_path)
     assert report.counts.tolist() == [[3, 3], [3, 3]]
     lists = tmp_path / "tiny_set" / "lists"

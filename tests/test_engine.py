@@ -36,8 +36,14 @@ def test_weighted_mean_of_identical_updates_is_that_update():
 
 
 def test_fedavg_with_one_client_equals_plain_local_training(tmp_path):
-    cfg = tiny_config(partition__n_clients=1, partition__d=3, rounds=3, train__optimizer="adam",
-                      train__lr=0.003, train__local_epochs=2)
+    cfg = tiny_config(
+        partition__n_clients=1,
+        partition__d=3,
+        rounds=3,
+        train__optimizer="adam",
+        train__lr=0.003,
+        train__local_epochs=2,
+    )
     fed = tiny_federation(cfg)
     sim = run_sim(cfg, tmp_path / "run", fed)
 
@@ -52,7 +58,7 @@ def test_fedavg_with_one_client_equals_plain_local_training(tmp_path):
         for _ in range(2):
             order = torch.randperm(len(data), generator=gen)
             for start in range(0, len(data), cfg.train.batch_size):
-                idx = order[start:start + cfg.train.batch_size]
+                idx = order[start : start + cfg.train.batch_size]
                 x = data.inputs[idx].float() / 255.0
                 loss = F.cross_entropy(model(x), data.labels[idx])
                 opt.zero_grad()
@@ -65,14 +71,18 @@ def test_fedavg_with_one_client_equals_plain_local_training(tmp_path):
 def test_fedavg_over_identical_clients_equals_one_clients_update(tmp_path):
     # Full-batch training makes every client's update independent of its batch order.
     cfg = tiny_config(rounds=1, train__batch_size=10_000)
-    one = tiny_federation(tiny_config(rounds=1, train__batch_size=10_000, partition__n_clients=1,
-                                      partition__d=3))
+    one = tiny_federation(
+        tiny_config(rounds=1, train__batch_size=10_000, partition__n_clients=1, partition__d=3)
+    )
     fed = tiny_federation(cfg)
     fed.train = [one.train[0]] * 3
     fed.val = [one.val[0]] * 3
     many = run_sim(cfg, tmp_path / "many", fed)
-    single = run_sim(tiny_config(rounds=1, train__batch_size=10_000, partition__n_clients=1,
-                                 partition__d=3), tmp_path / "one", one)
+    single = run_sim(
+        tiny_config(rounds=1, train__batch_size=10_000, partition__n_clients=1, partition__d=3),
+        tmp_path / "one",
+        one,
+    )
     for name, value in single.server.global_arrays.items():
         assert torch.allclose(many.server.global_arrays[name], value, atol=1e-6, rtol=0), name
 
@@ -126,10 +136,16 @@ def test_client_cannot_touch_server_state_and_nan_update_is_rejected(tmp_path, t
 
 
 def test_stations_with_one_round_equal_flat_fedavg(tmp_path):
-    cfg_flat = tiny_config(rounds=2, partition__n_clients=4, partition__name="lambda",
-                           partition__lam=0.5)
-    cfg_tier = tiny_config(rounds=2, partition__n_clients=4, partition__name="lambda",
-                           partition__lam=0.5, topology__stations=2)
+    cfg_flat = tiny_config(
+        rounds=2, partition__n_clients=4, partition__name="lambda", partition__lam=0.5
+    )
+    cfg_tier = tiny_config(
+        rounds=2,
+        partition__n_clients=4,
+        partition__name="lambda",
+        partition__lam=0.5,
+        topology__stations=2,
+    )
     flat = run_sim(cfg_flat, tmp_path / "flat")
     tier = run_sim(cfg_tier, tmp_path / "tier")
     for name, value in flat.server.global_arrays.items():

@@ -88,8 +88,15 @@ def test_generic_folder_discovers_sorted_domains_classes_and_keeps_row_file_alig
     make_tree(tmp_path / "data", {"b": {"y": 2, "x": 1}, "a": {"y": 1, "x": 3}})
     ds = load_dataset("folder", tmp_path / "data", 4, tmp_path / "cache")
     assert ds.domains == ("a", "b") and ds.classes == ("x", "y")
-    assert ds.paths == ("a/x/img0.png", "a/x/img1.png", "a/x/img2.png", "a/y/img0.png",
-                        "b/x/img0.png", "b/y/img0.png", "b/y/img1.png")
+    assert ds.paths == (
+        "a/x/img0.png",
+        "a/x/img1.png",
+        "a/x/img2.png",
+        "a/y/img0.png",
+        "b/x/img0.png",
+        "b/y/img0.png",
+        "b/y/img1.png",
+    )
     assert ds.labels.tolist() == [0, 0, 0, 1, 0, 1, 1]
     assert ds.domain_ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert ds.images.shape == (7, 3, 4, 4) and ds.images.dtype == torch.uint8
@@ -138,8 +145,14 @@ def test_resize_is_antialiased(tmp_path):
 @pytest.fixture()
 def tiny_spec(monkeypatch):
     """A preset registered the way a new dataset would be: one DATASETS entry."""
-    spec = DatasetSpec("Tiny", "tiny_set", ("a", "b"), ("x", "y"),
-                       split_lists="lists/{domain}_{split}.txt", splits=("train", "val"))
+    spec = DatasetSpec(
+        "Tiny",
+        "tiny_set",
+        ("a", "b"),
+        ("x", "y"),
+        split_lists="lists/{domain}_{split}.txt",
+        splits=("train", "val"),
+    )
     monkeypatch.setitem(DATASETS, "Tiny", spec)
     return spec
 
@@ -191,8 +204,9 @@ def test_pacs_counts_per_domain_and_class_match_the_folders(pacs32, shared_data)
     assert pacs32.images.shape == (9991, 3, 32, 32)
     counts = pacs32.counts()
     assert counts.sum(axis=1).tolist() == [PACS_SIZES[d][0] for d in PACS_DOMAINS]
-    listed = [[len(os.listdir(shared_data / "PACS" / d / c)) for c in PACS_CLASSES]
-              for d in PACS_DOMAINS]
+    listed = [
+        [len(os.listdir(shared_data / "PACS" / d / c)) for c in PACS_CLASSES] for d in PACS_DOMAINS
+    ]
     assert counts.tolist() == listed
 
 
@@ -229,12 +243,15 @@ def test_pacs_split_list_defects_are_reported_and_repaired_from_the_folders(shar
     raw = read_raw_list(shared_data, "art_painting", "crossval")
     messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(messages) == 2
-    assert messages[0].endswith("art_painting_crossval_kfold.txt:1: label 0 does not match the "
-                                "class folder of art_painting/dog/pic_225.jpg; using 1 (dog)")
+    assert messages[0].endswith(
+        "art_painting_crossval_kfold.txt:1: label 0 does not match the "
+        "class folder of art_painting/dog/pic_225.jpg; using 1 (dog)"
+    )
     assert "crossval_kfold.txt:17: art_painting/dog/pic_248.jpg is listed again" in messages[1]
     assert [rel for rel, _ in entries] == [rel for k, (rel, _) in enumerate(raw) if k != 16]
     assert [label for _, label in entries] == [
-        PACS_CLASSES.index(rel.split("/")[1]) for rel, _ in entries]
+        PACS_CLASSES.index(rel.split("/")[1]) for rel, _ in entries
+    ]
 
 
 # art_painting's crossval list repeats pic_248 where the file order says pic_249 belongs, so
@@ -261,4 +278,5 @@ def test_pacs_official_lists_partition_each_domain(pacs32, shared_data, domain):
     position = {rel: i for i, rel in enumerate(pacs32.paths)}
     for entries in lists.values():  # list labels == labels of the loaded (folder-labelled) rows
         assert [int(pacs32.labels[position[rel]]) for rel, _ in entries] == [
-            label for _, label in entries]
+            label for _, label in entries
+        ]

@@ -76,7 +76,7 @@ class ServerAlgorithm(ABC):
         """Messages for a one-time statistics task before round 1 (none by default)."""
         return {}
 
-    def on_collect(self, replies: dict[int, Message]) -> None:
+    def on_collect(self, replies: dict[int, Message]) -> None:  # noqa: B027 - optional hook
         """Receive the replies of the one-time ``collect`` task."""
 
     @abstractmethod
@@ -93,12 +93,10 @@ class ServerAlgorithm(ABC):
         Returning the same object for every client tells the runner it is one shared model."""
 
     @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        ...
+    def state_dict(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class ClientAlgorithm(ABC):

@@ -8,5 +8,13 @@ from feddomain.algorithms.base import MethodSpec
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
 
-register(MethodSpec("central", FedAvgServer, FedAvgClient, FedAvgHparams, pooled=True,
-                    description="Central: one model trained on the pooled source data"))
+register(
+    MethodSpec(
+        "central",
+        FedAvgServer,
+        FedAvgClient,
+        FedAvgHparams,
+        pooled=True,
+        description="Central: one model trained on the pooled source data",
+    )
+)

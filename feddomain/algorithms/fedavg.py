@@ -66,23 +66,41 @@ class FedAvgClient(ClientAlgorithm):
         set_arrays(ctx.model, msg.arrays)
         optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
         stats = train_epochs(
-            ctx.model, ctx.train, optimizer,
-            epochs=ctx.local_epochs, batch_size=ctx.batch_size, generator=ctx.generator,
+            ctx.model,
+            ctx.train,
+            optimizer,
+            epochs=ctx.local_epochs,
+            batch_size=ctx.batch_size,
+            generator=ctx.generator,
             regularizer=self.regularizer(msg, ctx),
         )
-        return Message("fit", get_arrays(ctx.model), {
-            "num_examples": len(ctx.train), "loss": stats.mean_loss,
-        })
+        return Message(
+            "fit",
+            get_arrays(ctx.model),
+            {
+                "num_examples": len(ctx.train),
+                "loss": stats.mean_loss,
+            },
+        )
 
-    def regularizer(self, msg: Message, ctx: ClientContext):  # noqa: ANN201 - hook for subclasses
+    def regularizer(self, msg: Message, ctx: ClientContext):
         """Extra loss term added to every batch (none for FedAvg)."""
         return None
 
 
-def global_parameters(msg: Message, ctx: ClientContext) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+def global_parameters(
+    msg: Message, ctx: ClientContext
+) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """Pairs (local parameter, received global value) for proximal-style regularisers."""
     return [(p, msg.arrays[name]) for name, p in ctx.model.named_parameters()]
 
 
-register(MethodSpec("fedavg", FedAvgServer, FedAvgClient, FedAvgHparams,
-                    description="FedAvg: sample-weighted parameter averaging"))
+register(
+    MethodSpec(
+        "fedavg",
+        FedAvgServer,
+        FedAvgClient,
+        FedAvgHparams,
+        description="FedAvg: sample-weighted parameter averaging",
+    )
+)

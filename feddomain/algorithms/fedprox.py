@@ -33,5 +33,12 @@ class FedProxClient(FedAvgClient):
         return proximal
 
 
-register(MethodSpec("fedprox", FedAvgServer, FedProxClient, FedProxHparams,
-                    description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2"))
+register(
+    MethodSpec(
+        "fedprox",
+        FedAvgServer,
+        FedProxClient,
+        FedProxHparams,
+        description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2",
+    )
+)

@@ -22,13 +22,16 @@ from feddomain.federation.training import get_arrays, set_arrays, train_epochs
 
 
 class LocalServer(ServerAlgorithm):
-    def __init__(self, ctx, hp) -> None:  # noqa: ANN001 - same signature as the base
+    def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
         self.initial: Arrays = get_arrays(ctx.model_factory())
         self.started: set[int] = set()
 
     def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
-        plan = {c: Message("fit") if c in self.started else Message("fit", self.initial) for c in clients}
+        plan = {
+            c: Message("fit") if c in self.started else Message("fit", self.initial)
+            for c in clients
+        }
         self.started.update(clients)
         return plan
 
@@ -50,8 +53,12 @@ class LocalClient(ClientAlgorithm):
         set_arrays(ctx.model, msg.arrays or ctx.state.arrays)
         optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
         stats = train_epochs(
-            ctx.model, ctx.train, optimizer,
-            epochs=ctx.local_epochs, batch_size=ctx.batch_size, generator=ctx.generator,
+            ctx.model,
+            ctx.train,
+            optimizer,
+            epochs=ctx.local_epochs,
+            batch_size=ctx.batch_size,
+            generator=ctx.generator,
         )
         ctx.state.arrays = get_arrays(ctx.model)
         return Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
@@ -60,5 +67,12 @@ class LocalClient(ClientAlgorithm):
         return ctx.state.arrays or arrays
 
 
-register(MethodSpec("local", LocalServer, LocalClient, Hparams,
-                    description="Local-only: each client trains alone"))
+register(
+    MethodSpec(
+        "local",
+        LocalServer,
+        LocalClient,
+        Hparams,
+        description="Local-only: each client trains alone",
+    )
+)

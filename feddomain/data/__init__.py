@@ -1,4 +1,4 @@
-"""Data layer: sources -> decode-once cache -> splits -> client partitions -> batched augmentation."""
+"""Data layer: sources -> decode-once cache -> splits -> client partitions -> augmentation."""
 
 from feddomain.data.dataset import DomainDataset
 

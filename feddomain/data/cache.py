@@ -57,8 +57,13 @@ def content_key(
     order; domain and class names are included because they fix the labels of each row.
     """
     h = hashlib.sha256()
-    header = {"format": FORMAT_VERSION, "name": name, "resolution": resolution,
-              "domains": list(domains), "classes": list(classes)}
+    header = {
+        "format": FORMAT_VERSION,
+        "name": name,
+        "resolution": resolution,
+        "domains": list(domains),
+        "classes": list(classes),
+    }
     h.update(json.dumps(header, sort_keys=True).encode())
     for path, size, mtime_ns in files:
         h.update(f"\n{path}\t{size}\t{mtime_ns}".encode())
@@ -73,8 +78,9 @@ class CacheEntry:
     meta: Path
 
     @classmethod
-    def locate(cls, cache_dir: str | os.PathLike[str], name: str, resolution: int,
-               source: Path) -> CacheEntry:
+    def locate(
+        cls, cache_dir: str | os.PathLike[str], name: str, resolution: int, source: Path
+    ) -> CacheEntry:
         """Entry for ``name`` at ``resolution`` decoded from the folder ``source``.
 
         The folder's absolute path is part of the file name, so two folders loaded under the
@@ -95,8 +101,9 @@ class CachedImages:
     skipped: dict[str, str]  # relative path -> why it could not be decoded
 
 
-def read(entry: CacheEntry, key: str, n_sources: int,
-         item_shape: Sequence[int]) -> CachedImages | None:
+def read(
+    entry: CacheEntry, key: str, n_sources: int, item_shape: Sequence[int]
+) -> CachedImages | None:
     """The cached images if ``entry`` is complete and was built for ``key``, else None.
 
     A missing entry is a plain miss; an entry that exists but is unreadable, stale or truncated is
@@ -120,8 +127,9 @@ def read(entry: CacheEntry, key: str, n_sources: int,
         if size != meta["nbytes"]:
             problem = f"it has {size} bytes, expected {meta['nbytes']}"
     if problem is not None:
-        log.warning("cache entry %s does not match its metadata (%s); rebuilding",
-                    entry.images, problem)
+        log.warning(
+            "cache entry %s does not match its metadata (%s); rebuilding", entry.images, problem
+        )
         return None
     shape = tuple(meta["shape"])
     array = np.memmap(entry.images, dtype=np.uint8, mode="c", shape=shape)
@@ -171,8 +179,9 @@ class CacheWriter:
     def append(self, rows: np.ndarray) -> None:
         """Write ``rows`` (uint8 [k, *item_shape]) after the rows written so far."""
         if rows.dtype != np.uint8 or rows.shape[1:] != self.item_shape:
-            raise ValueError(f"expected uint8 [k, *{self.item_shape}], got {rows.dtype} "
-                             f"{rows.shape}")
+            raise ValueError(
+                f"expected uint8 [k, *{self.item_shape}], got {rows.dtype} {rows.shape}"
+            )
         try:
             self._file.write(np.ascontiguousarray(rows).data)
         except OSError as exc:
@@ -181,10 +190,15 @@ class CacheWriter:
 
     def commit(self, key: str, n_sources: int, skipped: dict[str, str]) -> None:
         """Publish the rows written so far as the entry for ``key``, atomically."""
-        meta = {"format": FORMAT_VERSION, "key": key, "dtype": "uint8",
-                "shape": [self.rows, *self.item_shape],
-                "nbytes": self.rows * int(np.prod(self.item_shape)),
-                "n_sources": n_sources, "skipped": dict(sorted(skipped.items()))}
+        meta = {
+            "format": FORMAT_VERSION,
+            "key": key,
+            "dtype": "uint8",
+            "shape": [self.rows, *self.item_shape],
+            "nbytes": self.rows * int(np.prod(self.item_shape)),
+            "n_sources": n_sources,
+            "skipped": dict(sorted(skipped.items())),
+        }
         try:
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -198,8 +212,12 @@ class CacheWriter:
         except OSError as exc:
             raise _unwritable(self.entry.images, exc) from exc
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._file is not None and not self._file.closed:
             self._file.close()
         if self._tmp is not None:
@@ -237,5 +255,6 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _unwritable(path: Path, exc: OSError) -> DataError:
-    return DataError(f"cannot write the image cache at {path}: {exc}; pass a writable cache_dir "
-                     f"or set {ENV_VAR}")
+    return DataError(
+        f"cannot write the image cache at {path}: {exc}; pass a writable cache_dir or set {ENV_VAR}"
+    )

@@ -28,7 +28,10 @@ class DomainDataset:
     def __post_init__(self) -> None:
         n = self.images.shape[0]
         if self.images.dtype != torch.uint8 or self.images.ndim != 4:
-            raise ValueError(f"images must be uint8 [N,C,H,W], got {self.images.dtype} {tuple(self.images.shape)}")
+            raise ValueError(
+                f"images must be uint8 [N,C,H,W], got {self.images.dtype} "
+                f"{tuple(self.images.shape)}"
+            )
         if self.labels.shape != (n,) or self.domain_ids.shape != (n,):
             raise ValueError("labels and domain_ids must have one entry per image")
         if self.paths and len(self.paths) != n:
@@ -45,7 +48,9 @@ class DomainDataset:
         try:
             return self.domains.index(domain)
         except ValueError:
-            raise KeyError(f"unknown domain {domain!r}; {self.name} has {list(self.domains)}") from None
+            raise KeyError(
+                f"unknown domain {domain!r}; {self.name} has {list(self.domains)}"
+            ) from None
 
     def indices_of(self, domain: str | int) -> np.ndarray:
         """Global indices of one domain's samples, in storage order."""

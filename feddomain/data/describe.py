@@ -57,8 +57,13 @@ class DatasetDescription:
         table.add_column("total", justify="right", style="bold")
         for c, cls in enumerate(self.classes):
             table.add_row(cls, *map(str, self.counts[:, c]), str(self.counts[:, c].sum()))
-        table.add_row("total", *map(str, self.counts.sum(axis=1)), str(self.total), style="bold",
-                      end_section=True)
+        table.add_row(
+            "total",
+            *map(str, self.counts.sum(axis=1)),
+            str(self.total),
+            style="bold",
+            end_section=True,
+        )
         return table
 
     def _summary(self) -> Text:
@@ -67,10 +72,14 @@ class DatasetDescription:
 
         size = "-"
         if self.width and self.height:
-            size = (f"width {self.width[0]}..{self.width[1]}, "
-                    f"height {self.height[0]}..{self.height[1]}")
-        lines = [f"image size: {size}", f"modes: {tally(self.modes)}",
-                 f"formats: {tally(self.formats)}"]
+            size = (
+                f"width {self.width[0]}..{self.width[1]}, height {self.height[0]}..{self.height[1]}"
+            )
+        lines = [
+            f"image size: {size}",
+            f"modes: {tally(self.modes)}",
+            f"formats: {tally(self.formats)}",
+        ]
         if self.ignored:
             lines.append(f"ignored {len(self.ignored)} non-image entries, e.g. {self.ignored[0]}")
         return Text("\n".join(lines))
@@ -83,8 +92,9 @@ class DatasetDescription:
         return text
 
 
-def describe(name: str, root: PathLike | None, *, deep: bool = False,
-             resolution: int = 32) -> DatasetDescription:
+def describe(
+    name: str, root: PathLike | None, *, deep: bool = False, resolution: int = 32
+) -> DatasetDescription:
     """Describe a registered dataset found under ``root``.
 
     Reads each image's header; with ``deep`` decodes every image fully, which also catches
@@ -97,9 +107,16 @@ def describe(name: str, root: PathLike | None, *, deep: bool = False,
         data = load_dataset(spec.name, root, resolution)
         side = (data.resolution, data.resolution)
         return DatasetDescription(
-            name=spec.name, location="the package (generated)", domains=data.domains,
-            classes=data.classes, counts=data.counts(), width=side, height=side,
-            modes={"RGB": len(data)}, formats={}, problems=(),
+            name=spec.name,
+            location="the package (generated)",
+            domains=data.domains,
+            classes=data.classes,
+            counts=data.counts(),
+            width=side,
+            height=side,
+            modes={"RGB": len(data)},
+            formats={},
+            problems=(),
         )
     index = scan_image_folder(root, spec, strict=False)
     counts = np.zeros((len(index.domains), len(index.classes)), dtype=np.int64)
@@ -120,11 +137,16 @@ def describe(name: str, root: PathLike | None, *, deep: bool = False,
             problems.append(f"unreadable image {path}: {type(exc).__name__}: {exc}")
     problems += split_list_problems(root, spec.name, set(index.paths))
     return DatasetDescription(
-        name=spec.name, location=str(index.dataset_dir), domains=index.domains,
-        classes=index.classes, counts=counts,
+        name=spec.name,
+        location=str(index.dataset_dir),
+        domains=index.domains,
+        classes=index.classes,
+        counts=counts,
         width=(min(widths), max(widths)) if widths else None,
         height=(min(heights), max(heights)) if heights else None,
-        modes=dict(modes), formats=dict(formats), problems=tuple(problems),
+        modes=dict(modes),
+        formats=dict(formats),
+        problems=tuple(problems),
         ignored=index.ignored,
     )
 

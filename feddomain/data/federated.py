@@ -74,7 +74,8 @@ def experiment_splits(cfg: ExperimentConfig, dataset: DomainDataset) -> list[Dom
         unknown = sorted(set(cfg.split.targets) - set(dataset.domains))
         if unknown:
             raise ConfigError(
-                f"split.targets {unknown} are not domains of {dataset.name}: {list(dataset.domains)}"
+                f"split.targets {unknown} are not domains of {dataset.name}: "
+                f"{list(dataset.domains)}"
             )
         return [s for s in splits if s.test[0] in cfg.split.targets]
     return [parse_scheme(scheme, dataset.domains)]
@@ -89,20 +90,27 @@ def build_federated_data(
     if cfg.split.few_shot:
         train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
 
-    train_tf = BatchAugment(AugmentConfig(**cfg.train.augment.model_dump()), cfg.train.mean, cfg.train.std)
+    train_tf = BatchAugment(
+        AugmentConfig(**cfg.train.augment.model_dump()), cfg.train.mean, cfg.train.std
+    )
     eval_tf = BatchAugment(AugmentConfig(), cfg.train.mean, cfg.train.std)
 
     def subset(idx: np.ndarray, transform: BatchAugment) -> ClientData:
         index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-        return ClientData(dataset.images[index].contiguous(), dataset.labels[index].clone(), transform)
+        return ClientData(
+            dataset.images[index].contiguous(), dataset.labels[index].clone(), transform
+        )
 
     n_domains = len(dataset.domains)
-    counts = np.stack([np.bincount(dataset.domain_ids.numpy()[p], minlength=n_domains) for p in train_parts])
+    counts = np.stack(
+        [np.bincount(dataset.domain_ids.numpy()[p], minlength=n_domains) for p in train_parts]
+    )
     stations = None
     if cfg.topology.stations:
         if cfg.topology.stations > len(train_parts):
             raise ConfigError(
-                f"topology.stations={cfg.topology.stations} exceeds partition.n_clients={len(train_parts)}"
+                f"topology.stations={cfg.topology.stations} exceeds "
+                f"partition.n_clients={len(train_parts)}"
             )
         stations = assign_stations(
             len(train_parts), cfg.topology.stations, cfg.topology.station_assignment, seed=seed
@@ -126,7 +134,11 @@ def _client_indices(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Partition the source domains over clients, then hold out each client's validation part."""
     p, seed = cfg.partition, cfg.seed
-    params = {"domains_per_client": {"d": p.d}, "lambda": {"lam": p.lam}, "dirichlet": {"alpha": p.alpha}}
+    params = {
+        "domains_per_client": {"d": p.d},
+        "lambda": {"lam": p.lam},
+        "dirichlet": {"alpha": p.alpha},
+    }
     if cfg.split.official_lists:
         # Official lists fix train vs validation per domain; both are partitioned with the same
         # seeded plan, so each client's validation share comes from its own domain parts.
@@ -156,8 +168,12 @@ def _add_few_shot(
     out = [np.asarray(p) for p in train_parts]
     for j, (domain, idx) in enumerate(target_sets.items()):
         shots, remaining = few_shot(
-            idx, labels[idx], cfg.split.few_shot, len(out),
-            seed=derive_seed(cfg.seed, FEW_SHOT_STREAM, j), per_class=cfg.split.few_shot_per_class,
+            idx,
+            labels[idx],
+            cfg.split.few_shot,
+            len(out),
+            seed=derive_seed(cfg.seed, FEW_SHOT_STREAM, j),
+            per_class=cfg.split.few_shot_per_class,
         )
         out = [np.concatenate([p, s]) for p, s in zip(out, shots, strict=True)]
         target_sets[domain] = remaining

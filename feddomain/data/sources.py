@@ -65,34 +65,111 @@ def _load_embedded_digits(resolution: int, seed: int) -> DomainDataset:
 
 
 _OFFICE_HOME_CLASSES = (  # DomainBed's OfficeHome class folders, sorted
-    "Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike", "Bottle", "Bucket", "Calculator",
-    "Calendar", "Candles", "Chair", "Clipboards", "Computer", "Couch", "Curtains", "Desk_Lamp",
-    "Drill", "Eraser", "Exit_Sign", "Fan", "File_Cabinet", "Flipflops", "Flowers", "Folder",
-    "Fork", "Glasses", "Hammer", "Helmet", "Kettle", "Keyboard", "Knives", "Lamp_Shade", "Laptop",
-    "Marker", "Monitor", "Mop", "Mouse", "Mug", "Notebook", "Oven", "Pan", "Paper_Clip", "Pen",
-    "Pencil", "Postit_Notes", "Printer", "Push_Pin", "Radio", "Refrigerator", "Ruler", "Scissors",
-    "Screwdriver", "Shelf", "Sink", "Sneakers", "Soda", "Speaker", "Spoon", "TV", "Table",
-    "Telephone", "ToothBrush", "Toys", "Trash_Can", "Webcam",
+    "Alarm_Clock",
+    "Backpack",
+    "Batteries",
+    "Bed",
+    "Bike",
+    "Bottle",
+    "Bucket",
+    "Calculator",
+    "Calendar",
+    "Candles",
+    "Chair",
+    "Clipboards",
+    "Computer",
+    "Couch",
+    "Curtains",
+    "Desk_Lamp",
+    "Drill",
+    "Eraser",
+    "Exit_Sign",
+    "Fan",
+    "File_Cabinet",
+    "Flipflops",
+    "Flowers",
+    "Folder",
+    "Fork",
+    "Glasses",
+    "Hammer",
+    "Helmet",
+    "Kettle",
+    "Keyboard",
+    "Knives",
+    "Lamp_Shade",
+    "Laptop",
+    "Marker",
+    "Monitor",
+    "Mop",
+    "Mouse",
+    "Mug",
+    "Notebook",
+    "Oven",
+    "Pan",
+    "Paper_Clip",
+    "Pen",
+    "Pencil",
+    "Postit_Notes",
+    "Printer",
+    "Push_Pin",
+    "Radio",
+    "Refrigerator",
+    "Ruler",
+    "Scissors",
+    "Screwdriver",
+    "Shelf",
+    "Sink",
+    "Sneakers",
+    "Soda",
+    "Speaker",
+    "Spoon",
+    "TV",
+    "Table",
+    "Telephone",
+    "ToothBrush",
+    "Toys",
+    "Trash_Can",
+    "Webcam",
 )
 
 DATASETS: dict[str, DatasetSpec] = {
     spec.name: spec
     for spec in (
         DatasetSpec(
-            "PACS", "PACS", ("art_painting", "cartoon", "photo", "sketch"),
+            "PACS",
+            "PACS",
+            ("art_painting", "cartoon", "photo", "sketch"),
             ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person"),
-            split_lists="splits/{domain}_{split}_kfold.txt", splits=("train", "crossval", "test"),
+            split_lists="splits/{domain}_{split}_kfold.txt",
+            splits=("train", "crossval", "test"),
         ),
-        DatasetSpec("OfficeHome", "office_home", ("Art", "Clipart", "Product", "Real_World"),
-                    _OFFICE_HOME_CLASSES),
-        DatasetSpec("VLCS", "VLCS", ("Caltech101", "LabelMe", "SUN09", "VOC2007"),
-                    ("bird", "car", "chair", "dog", "person")),
-        DatasetSpec("DomainNet", "domain_net",
-                    ("clipart", "infograph", "painting", "quickdraw", "real", "sketch"), None),
-        DatasetSpec("TerraIncognita", "terra_incognita",
-                    ("location_38", "location_43", "location_46", "location_100"), None),
-        DatasetSpec("Digits3", "Digits3", ("mnist", "mnist_m", "usps"),
-                    tuple(str(d) for d in range(10))),
+        DatasetSpec(
+            "OfficeHome",
+            "office_home",
+            ("Art", "Clipart", "Product", "Real_World"),
+            _OFFICE_HOME_CLASSES,
+        ),
+        DatasetSpec(
+            "VLCS",
+            "VLCS",
+            ("Caltech101", "LabelMe", "SUN09", "VOC2007"),
+            ("bird", "car", "chair", "dog", "person"),
+        ),
+        DatasetSpec(
+            "DomainNet",
+            "domain_net",
+            ("clipart", "infograph", "painting", "quickdraw", "real", "sketch"),
+            None,
+        ),
+        DatasetSpec(
+            "TerraIncognita",
+            "terra_incognita",
+            ("location_38", "location_43", "location_46", "location_100"),
+            None,
+        ),
+        DatasetSpec(
+            "Digits3", "Digits3", ("mnist", "mnist_m", "usps"), tuple(str(d) for d in range(10))
+        ),
         DatasetSpec("folder", None, None, None),
         DatasetSpec("digits_embedded", None, None, None, builtin=_load_embedded_digits),
     )
@@ -154,9 +231,11 @@ def resolve_dataset_dir(root: PathLike, spec: DatasetSpec) -> Path:
     if spec.domains and any((root / d).is_dir() for d in spec.domains):
         return root
     expected = ", ".join(spec.domains or ())
-    raise DataError(f"dataset folder {root / spec.folder} not found (nor domain folders "
-                    f"{expected} directly in {root}); expected <root>/{spec.folder}/<domain>/"
-                    "<class>/<image>")
+    raise DataError(
+        f"dataset folder {root / spec.folder} not found (nor domain folders "
+        f"{expected} directly in {root}); expected <root>/{spec.folder}/<domain>/"
+        "<class>/<image>"
+    )
 
 
 def scan_image_folder(root: PathLike, spec: DatasetSpec, *, strict: bool = True) -> FolderIndex:
@@ -187,10 +266,16 @@ def scan_image_folder(root: PathLike, spec: DatasetSpec, *, strict: bool = True)
         raise DataError(f"{dataset_dir} does not match the {spec.name} layout:\n  - {listing}")
     paths, sizes, mtimes, labels, domain_ids = zip(*rows, strict=True) if rows else ((),) * 5
     return FolderIndex(
-        dataset_dir=dataset_dir, domains=domains, classes=classes, paths=tuple(paths),
-        labels=np.asarray(labels, dtype=np.int64), domain_ids=np.asarray(domain_ids, np.int64),
-        sizes=np.asarray(sizes, dtype=np.int64), mtimes_ns=np.asarray(mtimes, dtype=np.int64),
-        problems=tuple(problems), ignored=tuple(ignored),
+        dataset_dir=dataset_dir,
+        domains=domains,
+        classes=classes,
+        paths=tuple(paths),
+        labels=np.asarray(labels, dtype=np.int64),
+        domain_ids=np.asarray(domain_ids, np.int64),
+        sizes=np.asarray(sizes, dtype=np.int64),
+        mtimes_ns=np.asarray(mtimes, dtype=np.int64),
+        problems=tuple(problems),
+        ignored=tuple(ignored),
     )
 
 
@@ -215,15 +300,23 @@ def _domains(dataset_dir: Path, spec: DatasetSpec, problems: list[str]) -> tuple
         if not found:
             problems.append(f"no domain folders in {dataset_dir}")
         return tuple(found)
-    problems.extend(f"missing domain folder {dataset_dir / d} ({spec.name} domains: "
-                    f"{', '.join(spec.domains)})" for d in spec.domains if d not in found)
-    problems.extend(f"unexpected domain folder {dataset_dir / f} (not a {spec.name} domain: "
-                    f"{', '.join(spec.domains)})" for f in found if f not in spec.domains)
+    problems.extend(
+        f"missing domain folder {dataset_dir / d} ({spec.name} domains: {', '.join(spec.domains)})"
+        for d in spec.domains
+        if d not in found
+    )
+    problems.extend(
+        f"unexpected domain folder {dataset_dir / f} (not a {spec.name} domain: "
+        f"{', '.join(spec.domains)})"
+        for f in found
+        if f not in spec.domains
+    )
     return spec.domains
 
 
-def _classes(dataset_dir: Path, spec: DatasetSpec, present: Sequence[str],
-             problems: list[str]) -> tuple[str, ...]:
+def _classes(
+    dataset_dir: Path, spec: DatasetSpec, present: Sequence[str], problems: list[str]
+) -> tuple[str, ...]:
     """The class list (preset or discovered), reporting domains whose class folders differ."""
     per_domain = {d: set(_subfolders(dataset_dir / d)) for d in present}
     if spec.classes is not None:
@@ -236,9 +329,12 @@ def _classes(dataset_dir: Path, spec: DatasetSpec, present: Sequence[str],
         missing, extra = sorted(reference - own), sorted(own - reference)
         if missing or extra:
             parts = ([f"is missing class folders {missing}"] if missing else []) + (
-                [f"has extra class folders {extra}"] if extra else [])
-            problems.append(f"class folders differ: {dataset_dir / domain} "
-                            f"{' and '.join(parts)} compared with {against}")
+                [f"has extra class folders {extra}"] if extra else []
+            )
+            problems.append(
+                f"class folders differ: {dataset_dir / domain} "
+                f"{' and '.join(parts)} compared with {against}"
+            )
     if spec.classes is not None:
         return spec.classes
     classes = tuple(sorted(set().union(*per_domain.values())))
@@ -284,15 +380,19 @@ def load_dataset(
     if spec.builtin is not None:
         return spec.builtin(resolution, seed)
     if root is None:
-        raise DataError(f"dataset {spec.name} needs a data root (the folder holding "
-                        f"{spec.folder or 'its domain folders'})")
+        raise DataError(
+            f"dataset {spec.name} needs a data root (the folder holding "
+            f"{spec.folder or 'its domain folders'})"
+        )
     index = scan_image_folder(root, spec)
-    return _load_folder(spec, index, resolution, Path(cache_dir or cache.default_cache_dir()),
-                        skip_corrupt)
+    return _load_folder(
+        spec, index, resolution, Path(cache_dir or cache.default_cache_dir()), skip_corrupt
+    )
 
 
-def _load_folder(spec: DatasetSpec, index: FolderIndex, resolution: int, cache_dir: Path,
-                 skip_corrupt: bool) -> DomainDataset:
+def _load_folder(
+    spec: DatasetSpec, index: FolderIndex, resolution: int, cache_dir: Path, skip_corrupt: bool
+) -> DomainDataset:
     item_shape = (3, resolution, resolution)
     key = cache.content_key(spec.name, resolution, index.domains, index.classes, index.files())
     entry = cache.CacheEntry.locate(cache_dir, spec.name, resolution, index.dataset_dir)
@@ -302,8 +402,10 @@ def _load_folder(spec: DatasetSpec, index: FolderIndex, resolution: int, cache_d
             skipped = _decode_images(index, resolution, writer.append)
             if len(skipped) == len(index):
                 path, why = next(iter(skipped.items()))
-                raise DataError(f"none of the {len(index)} image files in {index.dataset_dir} "
-                                f"can be decoded, e.g. {index.dataset_dir / path}: {why}")
+                raise DataError(
+                    f"none of the {len(index)} image files in {index.dataset_dir} "
+                    f"can be decoded, e.g. {index.dataset_dir / path}: {why}"
+                )
             writer.commit(key, len(index), skipped)
         hit = cache.read(entry, key, len(index), item_shape)
         if hit is None:
@@ -312,7 +414,10 @@ def _load_folder(spec: DatasetSpec, index: FolderIndex, resolution: int, cache_d
         _report_corrupt(index.dataset_dir, hit.skipped, skip_corrupt)
     keep = np.array([p not in hit.skipped for p in index.paths], dtype=bool)
     return DomainDataset(
-        name=spec.name, domains=index.domains, classes=index.classes, images=hit.images,
+        name=spec.name,
+        domains=index.domains,
+        classes=index.classes,
+        images=hit.images,
         labels=torch.from_numpy(index.labels[keep]),
         domain_ids=torch.from_numpy(index.domain_ids[keep]),
         paths=tuple(p for p, k in zip(index.paths, keep, strict=True) if k),
@@ -324,13 +429,16 @@ def _report_corrupt(dataset_dir: Path, skipped: dict[str, str], skip_corrupt: bo
     shown = "; ".join(f"{dataset_dir / p}: {why}" for p, why in list(skipped.items())[:5])
     more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
     if not skip_corrupt:
-        raise DataError(f"{len(skipped)} image file(s) cannot be decoded: {shown}{more}; fix or "
-                        "remove them, or pass skip_corrupt=True to leave them out")
+        raise DataError(
+            f"{len(skipped)} image file(s) cannot be decoded: {shown}{more}; fix or "
+            "remove them, or pass skip_corrupt=True to leave them out"
+        )
     log.warning("skipped %d unreadable image file(s): %s%s", len(skipped), shown, more)
 
 
-def _decode_images(index: FolderIndex, resolution: int,
-                   sink: Callable[[np.ndarray], None]) -> dict[str, str]:
+def _decode_images(
+    index: FolderIndex, resolution: int, sink: Callable[[np.ndarray], None]
+) -> dict[str, str]:
     """Decode every image in storage order, passing the decoded rows to ``sink`` chunk by chunk.
 
     Chunks go to ``min(2, cpu count)`` worker processes (Pillow decodes in C, so two processes
@@ -338,8 +446,10 @@ def _decode_images(index: FolderIndex, resolution: int,
     deterministic. Returns the files that failed, {relative path: reason}; they get no row.
     """
     folder = str(index.dataset_dir)
-    jobs = [(folder, index.paths[i : i + DECODE_CHUNK], resolution)
-            for i in range(0, len(index), DECODE_CHUNK)]
+    jobs = [
+        (folder, index.paths[i : i + DECODE_CHUNK], resolution)
+        for i in range(0, len(index), DECODE_CHUNK)
+    ]
     workers = min(2, os.cpu_count() or 1, len(jobs))
     failed: dict[str, str] = {}
     with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
@@ -412,13 +522,15 @@ def split_list_problems(root: PathLike, name: str, present: set[str]) -> list[st
             absent = [rel for rel, _ in entries if rel not in present]
             if absent:
                 where = _split_list_path(root, spec, domain, split)
-                problems.append(f"split list {where} names {len(absent)} missing file(s), "
-                                f"e.g. {absent[0]}")
+                problems.append(
+                    f"split list {where} names {len(absent)} missing file(s), e.g. {absent[0]}"
+                )
     return problems
 
 
-def _read_split_list(root: PathLike, spec: DatasetSpec, domain: str,
-                     split: str) -> tuple[list[tuple[str, int]], list[str]]:
+def _read_split_list(
+    root: PathLike, spec: DatasetSpec, domain: str, split: str
+) -> tuple[list[tuple[str, int]], list[str]]:
     """Parse one list: (entries with folder labels, notes on repaired lines)."""
     path = _split_list_path(root, spec, domain, split)
     if not path.is_file():
@@ -436,15 +548,20 @@ def _read_split_list(root: PathLike, spec: DatasetSpec, domain: str,
         fields = line.split()
         parts = fields[0].replace("\\", "/").split("/")
         if len(fields) != 2 or not re.fullmatch(r"-?\d+", fields[1]) or len(parts) != 3:
-            raise DataError(f"{path}:{lineno}: expected '<domain>/<class>/<file> <label>', "
-                            f"got {line!r}")
+            raise DataError(
+                f"{path}:{lineno}: expected '<domain>/<class>/<file> <label>', got {line!r}"
+            )
         if parts[0] != domain or parts[1] not in classes:
-            raise DataError(f"{path}:{lineno}: {fields[0]} is not in a class folder of "
-                            f"{spec.name} domain {domain}")
+            raise DataError(
+                f"{path}:{lineno}: {fields[0]} is not in a class folder of "
+                f"{spec.name} domain {domain}"
+            )
         rel, label = "/".join(parts), classes.index(parts[1])
         if int(fields[1]) - spec.split_label_base != label:
-            notes.append(f"{path}:{lineno}: label {fields[1]} does not match the class folder of "
-                         f"{rel}; using {label + spec.split_label_base} ({parts[1]})")
+            notes.append(
+                f"{path}:{lineno}: label {fields[1]} does not match the class folder of "
+                f"{rel}; using {label + spec.split_label_base} ({parts[1]})"
+            )
         if rel in entries:
             notes.append(f"{path}:{lineno}: {rel} is listed again; the repeat is ignored")
             continue
@@ -462,8 +579,9 @@ def _split_list_path(root: PathLike, spec: DatasetSpec, domain: str, split: str)
     return resolve_dataset_dir(root, spec) / spec.split_lists.format(domain=domain, split=split)
 
 
-def official_split_indices(dataset: DomainDataset, root: PathLike, domain: str,
-                           split: str) -> np.ndarray:
+def official_split_indices(
+    dataset: DomainDataset, root: PathLike, domain: str, split: str
+) -> np.ndarray:
     """Global indices (sorted, int64) of the samples an official split list names.
 
     Fails naming the list if a listed file is not in ``dataset`` (e.g. skipped as corrupt).
@@ -473,6 +591,8 @@ def official_split_indices(dataset: DomainDataset, root: PathLike, domain: str,
     missing = [rel for rel, _ in entries if rel not in position]
     if missing:
         where = _split_list_path(root, get_spec(dataset.name), domain, split)
-        raise DataError(f"split list {where} names {len(missing)} file(s) not in the loaded "
-                        f"{dataset.name} dataset, e.g. {missing[0]}")
+        raise DataError(
+            f"split list {where} names {len(missing)} file(s) not in the loaded "
+            f"{dataset.name} dataset, e.g. {missing[0]}"
+        )
     return np.sort(np.array([position[rel] for rel, _ in entries], dtype=np.int64))

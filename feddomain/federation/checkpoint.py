@@ -37,7 +37,7 @@ def load(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         return torch.load(path, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable checkpoint gets the same clear message
+    except Exception as err:
         raise FeddomainError(
             f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
             "delete it to restart the run from round 1"

@@ -33,9 +33,12 @@ class ClientData:
         order = torch.randperm(n, generator=generator) if shuffle else None
         for start in range(0, n, batch_size):
             if order is None:
-                x, y = self.inputs[start:start + batch_size], self.labels[start:start + batch_size]
+                x, y = (
+                    self.inputs[start : start + batch_size],
+                    self.labels[start : start + batch_size],
+                )
             else:
-                idx = order[start:start + batch_size]
+                idx = order[start : start + batch_size]
                 x, y = self.inputs[idx], self.labels[idx]
             yield (self.transform(x, generator) if self.transform else x), y
 

@@ -39,7 +39,8 @@ class Message:
     def has_non_finite(self) -> list[str]:
         """Names of floating arrays holding NaN or Inf (rejected by the runner)."""
         return [
-            k for k, t in self.arrays.items()
+            k
+            for k, t in self.arrays.items()
             if t.is_floating_point() and not bool(torch.isfinite(t).all())
         ]
 
@@ -55,7 +56,7 @@ def unflatten(vector: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[st
     out, offset = {}, 0
     for name, ref in like.items():
         n = ref.numel()
-        out[name] = vector[offset:offset + n].view(ref.shape).to(ref.dtype)
+        out[name] = vector[offset : offset + n].view(ref.shape).to(ref.dtype)
         offset += n
     if offset != vector.numel():
         raise ValueError(f"vector has {vector.numel()} entries, the arrays need {offset}")

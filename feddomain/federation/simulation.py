@@ -42,7 +42,9 @@ from feddomain.models import build_model
 log = logging.getLogger("feddomain")
 
 
-def make_optimizer_factory(cfg: ExperimentConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+def make_optimizer_factory(
+    cfg: ExperimentConfig,
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     t = cfg.train
     if t.optimizer == "adam":
         return lambda params: torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -118,7 +120,9 @@ class Simulation:
         wall = self.elapsed + time.perf_counter() - session_start
         summary = self.summary(wall)
         _write_json_atomic(self.out / "summary.json", summary)
-        (self.out / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.round_log))
+        (self.out / "rounds.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in self.round_log)
+        )
         checkpoint.remove(self.out)
         return summary
 
@@ -154,8 +158,12 @@ class Simulation:
             timing["train"] += time.perf_counter() - t0
             bad = reply.has_non_finite()
             if bad:
-                log.warning("round %d: client %d sent non-finite values in %s; update rejected",
-                            rnd, cid, bad[:5])
+                log.warning(
+                    "round %d: client %d sent non-finite values in %s; update rejected",
+                    rnd,
+                    cid,
+                    bad[:5],
+                )
                 self.rejected.append({"round": rnd, "client": cid, "arrays": bad})
                 continue
             replies[cid] = reply
@@ -171,7 +179,9 @@ class Simulation:
             current = msg
             for r in range(1, self.cfg.topology.station_rounds + 1):
                 members = [int(c) for c in self.data.stations[sid]]
-                client_replies = self._fit_clients(rnd, dict.fromkeys(members, current), timing, r - 1)
+                client_replies = self._fit_clients(
+                    rnd, dict.fromkeys(members, current), timing, r - 1
+                )
                 if not client_replies:
                     break
                 t0 = time.perf_counter()
@@ -185,22 +195,33 @@ class Simulation:
     def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
         self.bytes["down"] += msg.nbytes
         torch.manual_seed(derive_seed(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
-        ctx = self._context(cid, rnd, generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
+        ctx = self._context(
+            cid, rnd, generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round)
+        )
         reply = self.client.run(msg.copy(), ctx).copy()
         self.bytes["up"] += reply.nbytes
         return reply
 
     def _context(self, cid: int, rnd: int, gen: torch.Generator) -> ClientContext:
         return ClientContext(
-            cid=cid, rnd=rnd, model=self.model, train=self.data.train[cid], val=self.data.val[cid],
-            state=self.states[cid], generator=gen, local_epochs=self.cfg.train.local_epochs,
-            batch_size=self.cfg.train.batch_size, make_optimizer=self.make_optimizer,
+            cid=cid,
+            rnd=rnd,
+            model=self.model,
+            train=self.data.train[cid],
+            val=self.data.val[cid],
+            state=self.states[cid],
+            generator=gen,
+            local_epochs=self.cfg.train.local_epochs,
+            batch_size=self.cfg.train.batch_size,
+            make_optimizer=self.make_optimizer,
         )
 
     def _collect(self) -> None:
         plan = self.server.collect(list(range(self.data.n_clients)))
         if plan:
-            self.server.on_collect({cid: self._run_client(cid, 0, msg) for cid, msg in plan.items()})
+            self.server.on_collect(
+                {cid: self._run_client(cid, 0, msg) for cid, msg in plan.items()}
+            )
 
     # --------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -218,13 +239,19 @@ class Simulation:
             keep.append(arrays)
             set_arrays(self.model, arrays)
             val = self.data.val[cid]
-            id_results.append(evaluate_probs(predict_probs(self.model, val, bs), val.labels) if len(val) else None)
+            id_results.append(
+                evaluate_probs(predict_probs(self.model, val, bs), val.labels) if len(val) else None
+            )
             if id(arrays) not in by_model:
                 by_model[id(arrays)] = {
-                    **{("ood", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
-                       for d, s in self.data.targets.items()},
-                    **{("val", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
-                       for d, s in self.data.ood_val.items()},
+                    **{
+                        ("ood", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
+                        for d, s in self.data.targets.items()
+                    },
+                    **{
+                        ("val", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
+                        for d, s in self.data.ood_val.items()
+                    },
                 }
             results = by_model[id(arrays)]
             ood_per_client.append({d: r for (k, d), r in results.items() if k == "ood"})
@@ -273,16 +300,19 @@ class Simulation:
 
     # --------------------------------------------------------------- checkpoints
     def _save(self, rnd: int, elapsed: float) -> None:
-        checkpoint.save(self.out, {
-            "round": rnd,
-            "server": self.server.state_dict(),
-            "states": [(s.arrays, s.scalars) for s in self.states],
-            "records": self.records,
-            "round_log": self.round_log,
-            "rejected": self.rejected,
-            "bytes": self.bytes,
-            "elapsed": elapsed,
-        })
+        checkpoint.save(
+            self.out,
+            {
+                "round": rnd,
+                "server": self.server.state_dict(),
+                "states": [(s.arrays, s.scalars) for s in self.states],
+                "records": self.records,
+                "round_log": self.round_log,
+                "rejected": self.rejected,
+                "bytes": self.bytes,
+                "elapsed": elapsed,
+            },
+        )
 
     def _restore(self) -> int:
         """Load the latest checkpoint if there is one; returns the round to start from."""
@@ -324,7 +354,10 @@ def _summarise_eval(
         "per_domain": per_domain,
         "worst_domain": worst_name,
         "worst_domain_acc": worst_acc,
-        "per_client": {"id_acc": [r.acc if r else None for r in id_results], "ood_acc": per_client_ood},
+        "per_client": {
+            "id_acc": [r.acc if r else None for r in id_results],
+            "ood_acc": per_client_ood,
+        },
         "ood_spread": spread(per_client_ood),
         "distinct_models": distinct_models,
         "calibration": {
@@ -351,14 +384,20 @@ def _pooled_reliability(results: list[EvalResult]) -> dict[str, list[float]]:
     conf = np.sum([np.multiply(r.reliability.count, r.reliability.conf) for r in results], axis=0)
     acc = np.sum([np.multiply(r.reliability.count, r.reliability.acc) for r in results], axis=0)
     safe = np.maximum(count, 1)
-    return {"count": count.astype(int).tolist(), "conf": (conf / safe).tolist(), "acc": (acc / safe).tolist()}
+    return {
+        "count": count.astype(int).tolist(),
+        "conf": (conf / safe).tolist(),
+        "acc": (acc / safe).tolist(),
+    }
 
 
 def _pooled_hist(results: list[EvalResult]) -> dict[str, list[int]]:
     if not results:
         return {}
-    return {k: np.sum([r.conf_hist[k] for r in results], axis=0).astype(int).tolist()
-            for k in ("correct", "incorrect")}
+    return {
+        k: np.sum([r.conf_hist[k] for r in results], axis=0).astype(int).tolist()
+        for k in ("correct", "incorrect")
+    }
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
