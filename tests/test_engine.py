@@ -186,3 +186,46 @@ def test_local_only_clients_keep_separate_models(tmp_path):
     summary = json.loads((tmp_path / "l" / "summary.json").read_text())
     assert len(set(summary["per_client"]["ood_acc"])) >= 1
     assert sim.records[-1]["distinct_models"] == 3
+
+
+class _SequentialServer(FedAvgServer):
+    """Builds each client's message only after the previous client's reply was aggregated."""
+
+    def __init__(self, ctx, hp):
+        super().__init__(ctx, hp)
+        self.seen: list[tuple[int, int]] = []
+        self.folded = 0
+
+    def configure(self, rnd, clients):
+        for cid in clients:
+            yield cid, Message("fit", {}, {"folded": self.folded})
+
+    def aggregate(self, rnd, replies):
+        for cid, reply in replies:
+            self.seen.append((cid, int(reply.scalars["folded"])))
+            self.folded += 1
+
+
+class _Echo(ClientAlgorithm):
+    def run(self, msg, ctx):
+        return Message("fit", {}, dict(msg.scalars))
+
+
+@pytest.fixture
+def sequential_method():
+    spec = register(MethodSpec("_sequential", _SequentialServer, _Echo, FedAvgHparams))
+    yield spec
+    del METHODS[spec.name]
+
+
+def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path, sequential_method):
+    sim = Simulation_for(tiny_config(rounds=2, algorithm="_sequential"), tmp_path)
+    sim._round(1)
+    sim._round(2)
+    assert sim.server.seen == [(0, 0), (1, 1), (2, 2), (0, 3), (1, 4), (2, 5)]
+
+
+def Simulation_for(cfg, tmp_path):  # noqa: N802 - reads like a constructor
+    from feddomain.federation.simulation import Simulation
+
+    return Simulation(cfg, tiny_federation(cfg), tmp_path)

@@ -20,7 +20,7 @@ Round protocol, as the runner executes it::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,12 @@ from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message, weighted_mean
 
 Arrays = dict[str, torch.Tensor]
+# A round's plan: one message per client, as a dict, or lazily as (client id, message) pairs.
+Plan = Mapping[int, Message] | Iterator[tuple[int, Message]]
+
+
+def plan_items(plan: Plan) -> Iterable[tuple[int, Message]]:
+    return plan.items() if isinstance(plan, Mapping) else plan
 
 
 class Hparams(BaseModel):
@@ -72,7 +78,7 @@ class ServerAlgorithm(ABC):
         self.ctx = ctx
         self.hp = hp
 
-    def collect(self, clients: list[int]) -> dict[int, Message]:
+    def collect(self, clients: list[int]) -> Plan:
         """Messages for a one-time statistics task before round 1 (none by default)."""
         return {}
 
@@ -80,12 +86,16 @@ class ServerAlgorithm(ABC):
         """Receive the replies of the one-time ``collect`` task."""
 
     @abstractmethod
-    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
-        """One message per participating client for this round."""
+    def configure(self, rnd: int, clients: list[int]) -> Plan:
+        """One message per participating client for this round. Return an iterator of
+        (client id, message) to build each message only when that client is about to train
+        (sequential methods: the server state may change between clients)."""
 
     @abstractmethod
-    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        """Update server state from the (finite, accepted) replies."""
+    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
+        """Update server state from the accepted (finite) replies, which arrive lazily as
+        (client id, message) pairs: fold them into a running sum to stay streaming, or collect
+        them with ``dict(replies)`` when the method needs all at once."""
 
     @abstractmethod
     def eval_arrays(self, cid: int | None) -> Arrays | None:
@@ -120,9 +130,12 @@ class StationAlgorithm:
     def __init__(self, hp: Hparams) -> None:
         self.hp = hp
 
-    def aggregate(self, replies: dict[int, Message]) -> Message:
-        arrays, total = weighted_mean(replies.values())
-        return Message("fit", arrays, {"num_examples": total, "num_clients": len(replies)})
+    def aggregate(self, replies: Iterator[tuple[int, Message]]) -> Message | None:
+        """The station model for the server; ``None`` when no client reply was accepted."""
+        arrays, total = weighted_mean(msg for _, msg in replies)
+        if arrays is None:
+            return None
+        return Message("fit", arrays, {"num_examples": total})
 
 
 @dataclass(frozen=True)

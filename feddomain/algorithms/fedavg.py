@@ -6,6 +6,7 @@ plain averaging at the default ``server_lr = 1``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,8 +39,10 @@ class FedAvgServer(ServerAlgorithm):
         broadcast = Message("fit", self.global_arrays)
         return dict.fromkeys(clients, broadcast)
 
-    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        mean, _ = weighted_mean(replies.values())
+    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
+        mean, _ = weighted_mean(msg for _, msg in replies)
+        if mean is None:  # every update of the round was rejected: keep the model
+            return
         lr = getattr(self.hp, "server_lr", 1.0)
         if lr == 1.0:
             self.global_arrays = mean

@@ -6,6 +6,7 @@ weights) and never receives parameters back. Each client evaluates its own model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from feddomain.algorithms.base import (
@@ -35,8 +36,10 @@ class LocalServer(ServerAlgorithm):
         self.started.update(clients)
         return plan
 
-    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        """Nothing to aggregate."""
+    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
+        """Nothing to aggregate; draining the replies is what makes the clients train."""
+        for _ in replies:
+            pass
 
     def eval_arrays(self, cid: int | None) -> Arrays:
         return self.initial

@@ -166,7 +166,8 @@ def find_runs(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
         root = Path(root)
         if not root.is_dir():
             raise DataError(f"report input {root} is not a directory")
-        for name in RUN_FILES:
+        # config.yaml alone marks an experiment folder holding one run per target, not a run
+        for name in ("summary.json", "metrics.jsonl"):
             found.update(p.parent for p in root.rglob(name))
     finished = sorted(d for d in found if (d / "summary.json").is_file())
     unfinished = sorted(found.difference(finished))

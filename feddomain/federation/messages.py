@@ -65,10 +65,11 @@ def unflatten(vector: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[st
 
 def weighted_mean(
     messages: Iterable[Message], weight_key: str = "num_examples"
-) -> tuple[dict[str, torch.Tensor], float]:
+) -> tuple[dict[str, torch.Tensor] | None, float]:
     """Sample-weighted mean of the messages' arrays, accumulated on flat vectors (streaming).
 
-    Returns the mean arrays and the total weight. Integer buffers (e.g. BatchNorm's
+    Returns the mean arrays and the total weight, or ``(None, 0.0)`` when there is no message.
+    Each message is folded in and can be dropped at once. Integer buffers (e.g. BatchNorm's
     ``num_batches_tracked``) are averaged in float and rounded back to their dtype.
     """
     total, acc, like = 0.0, None, None
@@ -79,7 +80,7 @@ def weighted_mean(
         like = like or msg.arrays
         total += w
     if acc is None or like is None:
-        raise ValueError("weighted_mean needs at least one message")
+        return None, 0.0
     if total <= 0:
         raise ValueError(f"total weight '{weight_key}' must be positive, got {total}")
     mean = acc / total

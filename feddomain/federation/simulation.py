@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,13 @@ import torch
 from torch import nn
 
 from feddomain.algorithms import get_method
-from feddomain.algorithms.base import ClientContext, ServerContext, StationAlgorithm
+from feddomain.algorithms.base import (
+    ClientContext,
+    Plan,
+    ServerContext,
+    StationAlgorithm,
+    plan_items,
+)
 from feddomain.config import ExperimentConfig
 from feddomain.data.federated import FederatedData
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
@@ -132,14 +138,14 @@ class Simulation:
         bytes_before = dict(self.bytes)
         plan = self.server.configure(rnd, units)
         if self.data.stations is None:
-            replies = self._fit_clients(rnd, plan, timing)
+            replies = self._client_replies(rnd, plan, timing)
         else:
-            replies = self._fit_stations(rnd, plan, timing)
+            replies = self._station_replies(rnd, plan, timing)
+        # Replies are produced lazily: a streaming server (FedAvg) folds each one into a running
+        # mean and drops it, so memory does not grow with the number of clients.
         t0 = time.perf_counter()
-        torch.manual_seed(derive_seed(self.cfg.seed, SERVER, rnd))
-        if replies:
-            self.server.aggregate(rnd, replies)
-        timing["aggregate"] += time.perf_counter() - t0
+        self.server.aggregate(rnd, _then_seed(replies, derive_seed(self.cfg.seed, SERVER, rnd)))
+        timing["aggregate"] = time.perf_counter() - t0 - timing["train"]  # incl. stations
         return {
             "round": rnd,
             "time": timing,
@@ -148,11 +154,15 @@ class Simulation:
             "participants": len(units),
         }
 
-    def _fit_clients(
-        self, rnd: int, plan: dict[int, Message], timing: dict[str, float], station_round: int = 0
-    ) -> dict[int, Message]:
-        replies: dict[int, Message] = {}
-        for cid, msg in plan.items():
+    def _client_replies(
+        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int = 0
+    ) -> Iterator[tuple[int, Message]]:
+        """Train each planned client in turn; yield the finite replies, reject the others.
+
+        A lazy plan (an iterator) is pulled one client at a time, interleaved with the server's
+        consumption of replies, so a sequential method (pFedHN) can build client i+1's message
+        from the state that client i's reply produced."""
+        for cid, msg in plan_items(plan):
             t0 = time.perf_counter()
             reply = self._run_client(cid, rnd, msg, station_round)
             timing["train"] += time.perf_counter() - t0
@@ -166,31 +176,24 @@ class Simulation:
                 )
                 self.rejected.append({"round": rnd, "client": cid, "arrays": bad})
                 continue
-            replies[cid] = reply
-        return replies
+            yield cid, reply
 
-    def _fit_stations(
-        self, rnd: int, plan: dict[int, Message], timing: dict[str, float]
-    ) -> dict[int, Message]:
+    def _station_replies(
+        self, rnd: int, plan: Plan, timing: dict[str, float]
+    ) -> Iterator[tuple[int, Message]]:
         """Each station runs R station rounds over its clients, then replies to the server."""
         assert self.station is not None and self.data.stations is not None
-        replies: dict[int, Message] = {}
-        for sid, msg in plan.items():
-            current = msg
-            for r in range(1, self.cfg.topology.station_rounds + 1):
-                members = [int(c) for c in self.data.stations[sid]]
-                client_replies = self._fit_clients(
-                    rnd, dict.fromkeys(members, current), timing, r - 1
-                )
-                if not client_replies:
+        for sid, msg in plan_items(plan):
+            members = [int(c) for c in self.data.stations[sid]]
+            current: Message | None = msg
+            for r in range(self.cfg.topology.station_rounds):
+                received = self._client_replies(rnd, dict.fromkeys(members, current), timing, r)
+                current = self.station.aggregate(received)
+                if current is None:  # every client of the station was rejected
                     break
-                t0 = time.perf_counter()
-                current = self.station.aggregate(client_replies)
-                timing["aggregate"] += time.perf_counter() - t0
-            if current is not msg:
-                replies[sid] = current.copy()
+            if current is not None:
                 self.bytes["up"] += current.nbytes
-        return replies
+                yield sid, current.copy()
 
     def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
         self.bytes["down"] += msg.nbytes
@@ -219,9 +222,7 @@ class Simulation:
     def _collect(self) -> None:
         plan = self.server.collect(list(range(self.data.n_clients)))
         if plan:
-            self.server.on_collect(
-                {cid: self._run_client(cid, 0, msg) for cid, msg in plan.items()}
-            )
+            self.server.on_collect({c: self._run_client(c, 0, m) for c, m in plan_items(plan)})
 
     # --------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -331,6 +332,13 @@ class Simulation:
         os.replace(tmp, self.out / "metrics.jsonl")
         log.info("resumed %s after round %d", self.out, state["round"])
         return int(state["round"]) + 1
+
+
+def _then_seed(replies: Iterator[tuple[int, Message]], seed: int) -> Iterator[tuple[int, Message]]:
+    """Pass replies through, then reseed torch's global RNG for the server's own step, so the
+    server's randomness does not depend on how many clients trained before it."""
+    yield from replies
+    torch.manual_seed(seed)
 
 
 def _summarise_eval(

@@ -1,0 +1,86 @@
+"""Configuration: overrides, and errors that name the key and suggest the closest valid one."""
+
+from __future__ import annotations
+
+import pytest
+
+from feddomain.cli import main
+from feddomain.config import load_config
+from feddomain.errors import ConfigError
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rounds: 7\ntrain:\n  lr: 0.01\nalgorithm: fedprox\n")
+    return path
+
+
+def test_dotted_overrides_are_typed_and_nested(config_file):
+    cfg = load_config(
+        config_file,
+        [
+            "rounds=50",
+            "algorithm.mu=0.5",
+            "train.augment.hflip=true",
+            "split.targets=[photo, sketch]",
+        ],
+    )
+    assert cfg.rounds == 50 and cfg.train.lr == 0.01
+    assert cfg.algorithm.name == "fedprox" and cfg.algorithm.hparams == {"mu": 0.5}
+    assert cfg.train.augment.hflip is True
+    assert cfg.split.targets == ["photo", "sketch"]
+
+
+def test_unknown_key_names_it_and_suggests_closest(config_file):
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.lrr'; did you mean 'train\.lr'\?"):
+        load_config(config_file, ["train.lrr=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown key 'rouns'; did you mean 'rounds'\?"):
+        load_config(config_file, ["rouns=3"])
+
+
+def test_wrong_type_names_key_and_value(config_file):
+    with pytest.raises(ConfigError, match=r"'rounds': .*got 'many'"):
+        load_config(config_file, ["rounds=many"])
+    with pytest.raises(ConfigError, match=r"'partition\.n_clients'"):
+        load_config(config_file, ["partition.n_clients=0"])
+
+
+def test_unknown_algorithm_and_hyperparameter(config_file):
+    with pytest.raises(ConfigError, match=r"unknown algorithm 'fedavgg'; did you mean 'fedavg'\?"):
+        load_config(config_file, ["algorithm=fedavgg"])
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'algorithm\.muu'; did you mean 'algorithm\.mu'\?"
+    ):
+        load_config(config_file, ["algorithm.muu=0.1"])
+    with pytest.raises(ConfigError, match=r"'algorithm\.mu'"):
+        load_config(config_file, ["algorithm.mu=-1"])
+
+
+def test_malformed_override_and_missing_file(tmp_path, config_file):
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        load_config(config_file, ["rounds"])
+    with pytest.raises(ConfigError, match=r"config file not found: .*nope\.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML"):
+        load_config(bad)
+
+
+def test_bad_data_root_fails_before_training_with_a_clear_message(tmp_path, config_file, capsys):
+    code = main(
+        [
+            "run",
+            str(config_file),
+            "dataset.name=pacs",
+            f"dataset.root={tmp_path / 'missing'}",
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "missing" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
