@@ -13,6 +13,7 @@ from feddomain.algorithms import METHODS, register
 from feddomain.algorithms.base import ClientAlgorithm, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgHparams, FedAvgServer
 from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_TRAIN, INIT, derive_seed, sampling_stream
 from feddomain.models import build_model
 from tests.engine_helpers import run_sim, tiny_config, tiny_federation
@@ -219,13 +220,9 @@ def sequential_method():
 
 
 def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path, sequential_method):
-    sim = Simulation_for(tiny_config(rounds=2, algorithm="_sequential"), tmp_path)
+    cfg = tiny_config(rounds=2, algorithm="_sequential")
+    sim = Simulation(cfg, tiny_federation(cfg), tmp_path)
     sim._round(1)
     sim._round(2)
     assert sim.server.seen == [(0, 0), (1, 1), (2, 2), (0, 3), (1, 4), (2, 5)]
 
-
-def Simulation_for(cfg, tmp_path):  # noqa: N802 - reads like a constructor
-    from feddomain.federation.simulation import Simulation
-
-    return Simulation(cfg, tiny_federation(cfg), tmp_path)
