@@ -61,6 +61,11 @@ class TopologyConfig(Section):
 class ModelConfig(Section):
     name: str = "lenet5"
     options: dict[str, Any] = Field(default_factory=dict)
+    # Frozen-backbone mode (FedVR's protocol; a fast CPU path): the backbone's features of every
+    # image are computed once and cached, and only a head on top of them is trained.
+    frozen: bool = False
+    head_hidden: int | None = Field(None, ge=1)  # None: linear head; else one hidden ReLU layer
+    backbone_resolution: int | None = Field(None, ge=8)  # resize for the backbone (e.g. 224)
 
 
 class AugmentSection(Section):

@@ -16,7 +16,8 @@ from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_TRAIN, INIT, derive_seed, sampling_stream
 from feddomain.models import build_model
-from tests.engine_helpers import run_sim, tiny_config, tiny_federation
+from feddomain.errors import ConfigError
+from tests.engine_helpers import run_sim, tiny_config, tiny_dataset, tiny_federation
 
 
 def test_weighted_mean_matches_hand_computed_example():
@@ -226,3 +227,27 @@ def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path, sequential_meth
     sim._round(2)
     assert sim.server.seen == [(0, 0), (1, 1), (2, 2), (0, 3), (1, 4), (2, 5)]
 
+
+
+def test_frozen_backbone_mode_trains_a_head_on_cached_features(tmp_path):
+    cfg = tiny_config(rounds=2, model__frozen=True, dataset__cache_dir=str(tmp_path / "cache"))
+    fed = tiny_federation(cfg)
+    # the clients hold the backbone's features of their images, computed with the run's init
+    dataset = tiny_dataset()
+    torch.manual_seed(derive_seed(cfg.seed, INIT))
+    backbone = build_model("lenet5", 3)
+    backbone.eval()
+    with torch.no_grad():
+        expected = backbone.featurizer(dataset.images.float() / 255.0)
+    assert fed.train[0].inputs.shape[1] == backbone.n_features == 84
+    target = fed.targets["d0"].inputs  # target d0 is the first 40 samples, in storage order
+    assert torch.allclose(target, expected[: len(target)], atol=1e-6)
+    sim = run_sim(cfg, tmp_path / "run", fed)
+    assert set(sim.server.global_arrays) == {"classifier.weight", "classifier.bias"}
+    assert (tmp_path / "cache" / "features").is_dir()
+
+
+def test_frozen_mode_refuses_augmentation():
+    cfg = tiny_config(model__frozen=True, train__augment={"hflip": True})
+    with pytest.raises(ConfigError, match="frozen-backbone mode"):
+        tiny_federation(cfg)

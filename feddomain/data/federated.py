@@ -15,6 +15,7 @@ import torch
 
 from feddomain.config import ExperimentConfig
 from feddomain.data.augment import AugmentConfig, BatchAugment
+from feddomain.data.cache import default_cache_dir
 from feddomain.data.dataset import DomainDataset
 from feddomain.data.partitioners import partition
 from feddomain.data.partitioners.stations import assign_stations
@@ -22,7 +23,9 @@ from feddomain.data.sources import load_dataset, official_split_indices
 from feddomain.data.splits import DomainSplit, few_shot, holdout, leave_one_domain_out, parse_scheme
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
-from feddomain.federation.topology import derive_seed
+from feddomain.federation.topology import INIT, derive_seed
+from feddomain.models import build_model, input_normalization
+from feddomain.models.frozen import FrozenFeatures
 
 VAL_STREAM, FEW_SHOT_STREAM = 101, 102
 
@@ -85,21 +88,15 @@ def build_federated_data(
     cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit
 ) -> FederatedData:
     seed = cfg.seed
+    inputs, train_tf, eval_tf = _model_inputs(cfg, dataset)
     train_parts, val_parts = _client_indices(cfg, dataset, split)
     target_sets = {d: dataset.indices_of(d) for d in split.test}
     if cfg.split.few_shot:
         train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
 
-    train_tf = BatchAugment(
-        AugmentConfig(**cfg.train.augment.model_dump()), cfg.train.mean, cfg.train.std
-    )
-    eval_tf = BatchAugment(AugmentConfig(), cfg.train.mean, cfg.train.std)
-
-    def subset(idx: np.ndarray, transform: BatchAugment) -> ClientData:
+    def subset(idx: np.ndarray, transform: BatchAugment | None) -> ClientData:
         index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-        return ClientData(
-            dataset.images[index].contiguous(), dataset.labels[index].clone(), transform
-        )
+        return ClientData(inputs[index].contiguous(), dataset.labels[index].clone(), transform)
 
     n_domains = len(dataset.domains)
     counts = np.stack(
@@ -126,6 +123,49 @@ def build_federated_data(
         targets={d: subset(i, eval_tf) for d, i in target_sets.items()},
         ood_val={d: subset(dataset.indices_of(d), eval_tf) for d in split.val},
         stations=stations,
+    )
+
+
+def _model_inputs(
+    cfg: ExperimentConfig, dataset: DomainDataset
+) -> tuple[torch.Tensor, BatchAugment | None, BatchAugment | None]:
+    """What clients feed the model: uint8 images with train/eval transforms, or, in frozen-backbone
+    mode, the backbone's cached float features of every image (no transform)."""
+    augment = AugmentConfig(**cfg.train.augment.model_dump())
+    if not cfg.model.frozen:
+        return (
+            dataset.images,
+            BatchAugment(augment, cfg.train.mean, cfg.train.std),
+            BatchAugment(AugmentConfig(), cfg.train.mean, cfg.train.std),
+        )
+    if augment != AugmentConfig(crop_ratio=augment.crop_ratio):
+        raise ConfigError(
+            "train.augment cannot apply in frozen-backbone mode (model.frozen: true): features are "
+            "computed once from the un-augmented images; turn augmentation off"
+        )
+    return frozen_features(cfg, dataset), None, None
+
+
+def frozen_features(cfg: ExperimentConfig, dataset: DomainDataset) -> torch.Tensor:
+    """Backbone features [N, F] of every image, computed once and cached on disk."""
+    m = cfg.model
+    torch.manual_seed(derive_seed(cfg.seed, INIT))
+    backbone = build_model(
+        m.name, len(dataset.classes), resolution=cfg.dataset.resolution, **m.options
+    )
+    norm = input_normalization(m.name) or (
+        cfg.train.mean or (0.0,) * 3,
+        cfg.train.std or (1.0,) * 3,
+    )
+    cache = Path(cfg.dataset.cache_dir) if cfg.dataset.cache_dir else default_cache_dir()
+    return FrozenFeatures.compute(
+        backbone,
+        dataset.images,
+        batch_size=cfg.eval.batch_size,
+        mean=norm[0],
+        std=norm[1],
+        resolution=m.backbone_resolution,
+        cache_dir=cache.expanduser() / "features",
     )
 
 

@@ -44,6 +44,7 @@ from feddomain.federation.topology import (
 )
 from feddomain.federation.training import predict_probs, set_arrays
 from feddomain.models import build_model
+from feddomain.models.frozen import head_model
 
 log = logging.getLogger("feddomain")
 
@@ -77,9 +78,13 @@ class Simulation:
         self.out = out_dir
         self.progress = progress
         n_classes = len(data.classes)
-        self._build = lambda: build_model(
-            cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
-        )
+        if cfg.model.frozen:  # clients hold cached backbone features: train only a head
+            n_features = int(data.train[0].inputs.shape[1])
+            self._build = lambda: head_model(n_features, n_classes, hidden=cfg.model.head_hidden)
+        else:
+            self._build = lambda: build_model(
+                cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
+            )
         self.model = self._init_model()
         self.server = self.spec.server(
             ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds), self.hp
