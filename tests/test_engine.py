@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from feddomain.algorithms import METHODS, register
 from feddomain.algorithms.base import ClientAlgorithm, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgHparams, FedAvgServer
+from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_TRAIN, INIT, derive_seed, sampling_stream
 from feddomain.models import build_model
-from feddomain.errors import ConfigError
 from tests.engine_helpers import run_sim, tiny_config, tiny_dataset, tiny_federation
 
 
