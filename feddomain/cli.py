@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     desc = dsub.add_parser("describe", help="counts per domain x class, sizes, problems")
     desc.add_argument("--dataset", required=True)
     desc.add_argument("--root", type=Path, default=None)
+    desc.add_argument("--deep", action="store_true", help="decode every image (finds truncation)")
     desc.set_defaults(func=cmd_describe)
     part = dsub.add_parser("partition", help="client x domain (and station x domain) counts")
     part.add_argument("config", type=Path)
@@ -282,7 +283,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_describe(args: argparse.Namespace) -> None:
     from feddomain.data.describe import describe, render
 
-    render(describe(args.dataset, args.root), console=Console())
+    render(describe(args.dataset, args.root, deep=args.deep), console=Console(width=120))
 
 
 def cmd_partition(args: argparse.Namespace) -> None:
@@ -297,7 +298,7 @@ def cmd_partition(args: argparse.Namespace) -> None:
     dataset = load_experiment_dataset(cfg)
     for split in experiment_splits(cfg, dataset):
         fed = build_federated_data(cfg, dataset, split)
-        render_tables(fed, console=Console(), csv_path=args.out)
+        render_tables(fed, console=Console(width=120), csv_path=args.out)
 
 
 if __name__ == "__main__":
