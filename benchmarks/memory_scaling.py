@@ -32,11 +32,20 @@ def child(n_clients: int, model: str, rounds: int) -> None:
     from feddomain.federation.simulation import Simulation
 
     torch.set_num_threads(1)
-    cfg = load_config(None, [
-        "dataset.name=digits_embedded", f"model.name={model}", f"rounds={rounds}",
-        f"eval.every={rounds}", "checkpoint.every=0", "partition.name=lambda",
-        "partition.lam=0.1", f"partition.n_clients={n_clients}", "split.targets=[grey]",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "dataset.name=digits_embedded",
+            f"model.name={model}",
+            f"rounds={rounds}",
+            f"eval.every={rounds}",
+            "checkpoint.every=0",
+            "partition.name=lambda",
+            "partition.lam=0.1",
+            f"partition.n_clients={n_clients}",
+            "split.targets=[grey]",
+        ],
+    )
     dataset = load_experiment_dataset(cfg)
     fed = build_federated_data(cfg, dataset, experiment_splits(cfg, dataset)[0])
     with tempfile.TemporaryDirectory() as out:
@@ -58,9 +67,19 @@ def main() -> None:
     peaks = {}
     for n in args.clients:
         res = subprocess.run(
-            [sys.executable, __file__, "--child", str(n), "--model", args.model,
-             "--rounds", str(args.rounds)],
-            capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(n),
+                "--model",
+                args.model,
+                "--rounds",
+                str(args.rounds),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         peaks[n] = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
     base = peaks[args.clients[0]]

@@ -72,9 +72,15 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     overrides = [
-        f"dataset.name={args.dataset}", f"model.name={args.model}", f"rounds={args.rounds}",
-        f"eval.every={args.rounds}", "checkpoint.every=0", "partition.n_clients=1",
-        "train.batch_size=32", "train.mean=[0.5,0.5,0.5]", "train.std=[0.5,0.5,0.5]",
+        f"dataset.name={args.dataset}",
+        f"model.name={args.model}",
+        f"rounds={args.rounds}",
+        f"eval.every={args.rounds}",
+        "checkpoint.every=0",
+        "partition.n_clients=1",
+        "train.batch_size=32",
+        "train.mean=[0.5,0.5,0.5]",
+        "train.std=[0.5,0.5,0.5]",
     ]
     if args.root:
         overrides.append(f"dataset.root={args.root}")
@@ -89,8 +95,10 @@ def main() -> None:
         bare.append(n_images / bare_loop(cfg, fed.train[0], len(dataset.classes), args.rounds))
         sim.append(n_images / simulator(cfg, fed))
     b, s = statistics.median(bare), statistics.median(sim)
-    print(f"{args.dataset} {args.model} @{cfg.dataset.resolution}px, {len(fed.train[0])} images "
-          f"x {args.rounds} epochs, {args.repeats} alternating repeats, {args.threads} thread(s)")
+    print(
+        f"{args.dataset} {args.model} @{cfg.dataset.resolution}px, {len(fed.train[0])} images "
+        f"x {args.rounds} epochs, {args.repeats} alternating repeats, {args.threads} thread(s)"
+    )
     print("| loop | images/s (median) | all repeats |")
     print("|---|---:|---|")
     print(f"| bare PyTorch | {b:,.0f} | {', '.join(f'{v:,.0f}' for v in bare)} |")

@@ -13,8 +13,12 @@ from feddomain.cli import main
 def test_describe_pacs_prints_counts(shared_data, capsys):
     assert main(["data", "describe", "--dataset", "pacs", "--root", str(shared_data)]) == 0
     out = capsys.readouterr().out
-    for domain, n in [("art_painting", "2048"), ("cartoon", "2344"), ("photo", "1670"),
-                      ("sketch", "3929")]:
+    for domain, n in [
+        ("art_painting", "2048"),
+        ("cartoon", "2344"),
+        ("photo", "1670"),
+        ("sketch", "3929"),
+    ]:
         assert domain in out and n in out.replace(",", "")
 
 
@@ -26,11 +30,15 @@ def test_describe_missing_root_is_one_clear_line(tmp_path, capsys):
 
 def test_partition_writes_client_by_domain_counts(tmp_path, capsys):
     cfg = tmp_path / "p.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "dataset": {"name": "digits_embedded"},
-        "split": {"scheme": "lodo", "targets": ["grey"], "val_fraction": 0.0},
-        "partition": {"name": "lambda", "n_clients": 5, "lam": 0.0},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "dataset": {"name": "digits_embedded"},
+                "split": {"scheme": "lodo", "targets": ["grey"], "val_fraction": 0.0},
+                "partition": {"name": "lambda", "n_clients": 5, "lam": 0.0},
+            }
+        )
+    )
     out = tmp_path / "counts.csv"
     assert main(["data", "partition", str(cfg), "--out", str(out)]) == 0
     rows = list(csv.reader((tmp_path / "counts_lodo-grey.csv").open()))
@@ -45,11 +53,18 @@ def test_partition_writes_client_by_domain_counts(tmp_path, capsys):
 def test_report_reads_runs_and_writes_csv(tmp_path, capsys):
     run = tmp_path / "runs" / "fedavg"
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "rounds": 2, "dataset": {"name": "digits_embedded"},
-        "split": {"targets": ["sketch"]}, "eval": {"every": 1}, "checkpoint": {"every": 0},
-        "threads": 1,
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "rounds": 2,
+                "dataset": {"name": "digits_embedded"},
+                "split": {"targets": ["sketch"]},
+                "eval": {"every": 1},
+                "checkpoint": {"every": 0},
+                "threads": 1,
+            }
+        )
+    )
     assert main(["run", str(cfg), "--out", str(run), "--quiet"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     capsys.readouterr()

@@ -228,7 +228,6 @@ def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path, sequential_meth
     assert sim.server.seen == [(0, 0), (1, 1), (2, 2), (0, 3), (1, 4), (2, 5)]
 
 
-
 def test_frozen_backbone_mode_trains_a_head_on_cached_features(tmp_path):
     cfg = tiny_config(rounds=2, model__frozen=True, dataset__cache_dir=str(tmp_path / "cache"))
     fed = tiny_federation(cfg)
