@@ -1,0 +1,543 @@
+"""hFedF (Bartholet et al., 2024): a server-side hypernetwork generates every client's model.
+
+Each round the server sends client i the parameters ``φ_i = h(θ, ν[i])``; the client trains them
+E epochs and returns ``Δ_i = φ_i0 − φ~_i`` (initial − final, hfedf.md §3.6). The server turns
+every Δ_i into a hypernetwork gradient by a vector–Jacobian product, combines the clients'
+gradients with GradAlign's softmax-of-cosine weights (§3.7), takes one Adam step (§3.8) and writes
+an EMA of the hypernetwork back into it after a warm-up (§3.9). Only client-model-sized tensors
+cross the wire; θ and ν never leave the server.
+
+The hypernetwork, the VJP and the server optimiser are shared with pFedHN (``pfedhn.py``), which
+is the sequential, one-client-per-step ancestor of this method.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddomain.algorithms.base import (
+    Arrays,
+    ClientAlgorithm,
+    ClientContext,
+    Hparams,
+    MethodSpec,
+    ServerAlgorithm,
+    ServerContext,
+)
+from feddomain.algorithms.registry import register
+from feddomain.errors import ConfigError
+from feddomain.federation.data import ClientData
+from feddomain.federation.messages import Message
+from feddomain.federation.topology import INIT, SERVER, derive_seed
+from feddomain.federation.training import get_arrays, set_arrays, train_epochs
+
+# Extra keys of derive_seed that keep the server's draws apart from the runner's.
+_HNET_INIT, _AE_INIT = 1, 2
+
+# ----------------------------------------------------------------------------- hyper-parameters
+
+
+class HypernetworkHparams(Hparams):
+    """Hypernetwork shape and server optimiser (hfedf.md §3.3, §3.8; Table 10, PACS defaults)."""
+
+    embed_dim: int | None = Field(None, ge=1)  # None: L = floor(1 + N/4) (pFedHN's rule)
+    hidden: int = Field(50, ge=1)
+    layers: int = Field(4, ge=1)  # Linear layers in the trunk; LeakyReLU after all but the last
+    server_optimizer: Literal["adam", "sgd"] = "adam"
+    lr_s: float = Field(1e-3, gt=0.0)
+    wd_s: float = Field(1e-5, ge=0.0)  # coupled L2 on θ and ν
+    server_momentum: float = Field(0.0, ge=0.0)  # SGD only
+
+
+class HFedFHparams(HypernetworkHparams):
+    gradalign: bool = True
+    gradalign_sign: Literal[1, -1] = 1  # +1: Alg. 3 / the analysis text; -1: §4.2's equation
+    ema: bool = True
+    ema_alpha: float = Field(0.95, gt=0.0, le=1.0)  # weight on the NEW parameters
+    ema_warmup: int = Field(10, ge=0)  # server step at which the EMA starts
+    embedding: Literal["learned", "random", "autoencoder"] = "learned"
+    # autoencoder embeddings (C.2, Table 6): per-client training on a few local images
+    ae_images: int = Field(100, ge=1)
+    ae_epochs: int = Field(50, ge=1)
+    ae_batch_size: int = Field(32, ge=1)
+    ae_lr: float = Field(1e-3, gt=0.0)
+
+
+# The §3.11 ablations as names: each presets (and pins) one or two switches.
+class NoGradAlignHparams(HFedFHparams):
+    gradalign: Literal[False] = False
+
+
+class NoEmaHparams(HFedFHparams):
+    ema: Literal[False] = False
+
+
+class NoGradAlignNoEmaHparams(HFedFHparams):
+    gradalign: Literal[False] = False
+    ema: Literal[False] = False
+
+
+class RandEmbedHparams(HFedFHparams):
+    embedding: Literal["random"] = "random"
+
+
+class AeEmbedHparams(HFedFHparams):
+    embedding: Literal["autoencoder"] = "autoencoder"
+
+
+# ----------------------------------------------------------------------------- the hypernetwork
+
+
+def default_embed_dim(n_clients: int) -> int:
+    """L = floor(1 + N/4): 1 for 3 clients, 4 for 12 (hfedf.md §3.3, after pFedHN)."""
+    return int(1 + n_clients / 4)
+
+
+def parameter_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Names and shapes the hypernetwork must emit: the model's ``state_dict`` entries.
+
+    Generated models have no running statistics, so a model with buffers (BatchNorm) is refused.
+    """
+    params = dict(model.named_parameters())
+    buffers = [k for k in model.state_dict() if k not in params]
+    if buffers:
+        raise ConfigError(
+            f"hypernetwork methods need a model without buffers, but this model has "
+            f"{len(buffers)} (e.g. {buffers[0]!r}); use a model without BatchNorm "
+            "(model.name: hfedf_cnn or lenet5)"
+        )
+    return {k: v.shape for k, v in params.items()}
+
+
+class HyperNetwork(nn.Module):
+    """ν = Embedding(N, L) -> MLP trunk -> one linear head per client-model tensor (Table 8)."""
+
+    def __init__(
+        self,
+        n_clients: int,
+        shapes: dict[str, torch.Size],
+        embed_dim: int,
+        hidden: int = 50,
+        layers: int = 4,
+    ) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(n_clients, embed_dim)  # N(0, 1) init (CHOICE)
+        trunk: list[nn.Module] = []
+        width = embed_dim
+        for k in range(layers):
+            trunk.append(nn.Linear(width, hidden))
+            width = hidden
+            if k < layers - 1:
+                trunk.append(nn.LeakyReLU())
+        self.trunk = nn.Sequential(*trunk)
+        self.shapes = dict(shapes)
+        self.heads = nn.ModuleList(nn.Linear(hidden, math.prod(s)) for s in self.shapes.values())
+
+    def generate(self, embedding: Tensor) -> dict[str, Tensor]:
+        """The client-model parameters for one embedding vector of length L."""
+        z = self.trunk(embedding)
+        return {
+            name: head(z).view(shape)
+            for (name, shape), head in zip(self.shapes.items(), self.heads, strict=True)
+        }
+
+    def forward(self, cid: int) -> dict[str, Tensor]:
+        return self.generate(self.embeddings.weight[cid])
+
+    def theta(self) -> list[nn.Parameter]:
+        """θ: trunk and heads (everything but the embedding table)."""
+        return [*self.trunk.parameters(), *self.heads.parameters()]
+
+
+def hypernetwork_grads(
+    hnet: HyperNetwork, cid: int, delta: Arrays, inputs: list[Tensor]
+) -> tuple[tuple[Tensor, ...], Arrays]:
+    """VJP ``(∂φ_cid/∂inputs)^T Δ`` for each tensor in ``inputs`` (hfedf.md §3.6), and φ_cid.
+
+    With Δ = initial − final this is the approximate loss gradient, so a descent step moves the
+    generated model toward the locally trained one.
+    """
+    phi = hnet(cid)
+    names = list(phi)
+    grads = torch.autograd.grad(
+        [phi[n] for n in names], inputs, grad_outputs=[delta[n] for n in names]
+    )
+    return grads, {n: t.detach() for n, t in phi.items()}
+
+
+def make_server_optimizer(
+    params: list[nn.Parameter], hp: HypernetworkHparams
+) -> torch.optim.Optimizer:
+    if hp.server_optimizer == "adam":
+        return torch.optim.Adam(params, lr=hp.lr_s, weight_decay=hp.wd_s)
+    return torch.optim.SGD(params, lr=hp.lr_s, momentum=hp.server_momentum, weight_decay=hp.wd_s)
+
+
+def weight_divergence(models: list[Arrays], prefix: str) -> dict[str, float]:
+    """Per-layer ``mean_{i<j} ||φ_i^l − φ_j^l||`` and its value over ``mean_i ||φ_i^l||`` (§5.4)."""
+    if len(models) < 2:
+        return {}
+    out = {}
+    for name in models[0]:
+        stack = torch.stack([m[name].reshape(-1).float() for m in models])
+        wd = float(torch.pdist(stack).mean())
+        out[f"{prefix}/{name}"] = wd
+        out[f"{prefix}_norm/{name}"] = wd / max(float(stack.norm(dim=1).mean()), 1e-12)
+    return out
+
+
+# ----------------------------------------------------------------------------- GradAlign and EMA
+
+
+def gradalign_weights(grads: list[Tensor], sign: int = 1) -> tuple[Tensor, Tensor]:
+    """Softmax over clients of ``sign · cos(g_i, mean_j g_j)`` (Alg. 3); returns (weights, cosines).
+
+    Cosines are invariant to the global sign of the gradients, so the Δ convention does not matter.
+    """
+    mean = grads[0].clone()
+    for g in grads[1:]:
+        mean.add_(g)
+    mean.div_(len(grads))
+    mean_norm = mean.norm()
+    cosines = torch.stack(
+        [torch.dot(mean, g) / (mean_norm * g.norm() + 1e-12) for g in grads]
+    ).double()
+    return torch.softmax(sign * cosines, dim=0), cosines
+
+
+def flat(tensors: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def combine(grads: list[Tensor], weights: Tensor) -> Tensor:
+    """``Σ_i w_i g_i`` on flat vectors, one in-place axpy per client."""
+    total = torch.zeros_like(grads[0])
+    for g, w in zip(grads, weights.tolist(), strict=True):
+        total.add_(g, alpha=w)
+    return total
+
+
+class ParameterEMA:
+    """Alg. 4 with write-back: from step ``warmup`` on, the live parameters become the EMA.
+
+    Since the live parameters equal the EMA before each step, the write-back is exactly a scaling
+    of the optimiser's step by ``alpha`` (hfedf.md §3.9); the optimiser's moments are untouched.
+    """
+
+    def __init__(self, alpha: float, warmup: int) -> None:
+        self.alpha, self.warmup = alpha, warmup
+        self.shadow: list[Tensor] | None = None
+
+    @torch.no_grad()
+    def update(self, params: list[Tensor], step: int) -> None:
+        if step == self.warmup:
+            self.shadow = [p.detach().clone() for p in params]
+        elif step > self.warmup and self.shadow is not None:
+            for p, e in zip(params, self.shadow, strict=True):
+                e.mul_(1.0 - self.alpha).add_(p, alpha=self.alpha)
+                p.copy_(e)
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class HypernetworkServer(ServerAlgorithm):
+    """What hFedF and pFedHN share: the hypernetwork, generation, the VJP, the optimiser step,
+    evaluation semantics, diagnostics and checkpoints."""
+
+    def __init__(self, ctx: ServerContext, hp: HypernetworkHparams) -> None:
+        super().__init__(ctx, hp)
+        shapes = parameter_shapes(ctx.model_factory())
+        self.embed_dim = hp.embed_dim or default_embed_dim(ctx.n_clients)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(ctx.seed, INIT, _HNET_INIT))
+            self.hnet = HyperNetwork(ctx.n_clients, shapes, self.embed_dim, hp.hidden, hp.layers)
+        if not self.learn_embeddings():
+            self.hnet.embeddings.weight.requires_grad_(False)
+        self.optimizer = make_server_optimizer(self.trainable(), hp)
+        self.generator = torch.Generator().manual_seed(derive_seed(ctx.seed, SERVER, 0))
+        self.steps = 0
+        self.trained_divergence: dict[str, float] = {}
+        self._generated: dict[int | None, Arrays] = {}
+
+    def learn_embeddings(self) -> bool:
+        return True
+
+    def trainable(self) -> list[nn.Parameter]:
+        """Optimised tensors: ν first (when learnable), then θ."""
+        nu = self.hnet.embeddings.weight
+        return ([nu] if nu.requires_grad else []) + self.hnet.theta()
+
+    # -- generation and evaluation
+    @torch.no_grad()
+    def generated(self, cid: int | None) -> Arrays:
+        """φ_cid from the current hypernetwork (cached until the next step); ``None``: the model
+        of the mean embedding, our stand-in for an unseen domain's client."""
+        if cid not in self._generated:
+            nu = self.hnet.embeddings.weight
+            phi = self.hnet(cid) if cid is not None else self.hnet.generate(nu.mean(0))
+            self._generated[cid] = {k: v.clone() for k, v in phi.items()}
+        return self._generated[cid]
+
+    def eval_arrays(self, cid: int | None) -> Arrays:
+        return self.generated(cid)
+
+    # -- the server step
+    def client_grads(self, cid: int, delta: Arrays) -> tuple[tuple[Tensor, ...], Arrays]:
+        """VJP of client ``cid``'s Δ w.r.t. the trainable tensors, and its trained model."""
+        grads, phi0 = hypernetwork_grads(self.hnet, cid, delta, self.trainable())
+        return grads, {k: phi0[k] - delta[k] for k in phi0}
+
+    def apply(self, grads: list[Tensor]) -> None:
+        """One optimiser step with ``grads`` (aligned with ``trainable()``)."""
+        for p, g in zip(self.trainable(), grads, strict=True):
+            p.grad = g.view_as(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.after_step()
+        self.steps += 1
+        self._generated.clear()
+
+    def after_step(self) -> None:  # noqa: B027 - optional hook
+        """Post-step updates of the hypernetwork (EMA, embedding re-draws); none by default."""
+
+    def record_trained(self, trained: dict[int, Arrays]) -> None:
+        self.trained_divergence = weight_divergence(list(trained.values()), "wd_trained")
+
+    # -- diagnostics and checkpoints
+    def diagnostics(self) -> dict[str, Any]:
+        """Cheap scalars for metrics: embeddings, per-layer weight divergence between the
+        generated client models and between the last round's locally trained models (§5.4)."""
+        generated = [self.generated(c) for c in range(self.ctx.n_clients)]
+        return {
+            "server_steps": self.steps,
+            "embeddings": self.hnet.embeddings.weight.detach().tolist(),
+            **weight_divergence(generated, "wd_generated"),
+            **self.trained_divergence,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "hnet": self.hnet.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "steps": self.steps,
+            "trained_divergence": self.trained_divergence,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hnet.load_state_dict(state["hnet"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.steps = state["steps"]
+        self.trained_divergence = state["trained_divergence"]
+        self._generated.clear()
+
+
+class HFedFServer(HypernetworkServer):
+    """Synchronous rounds: all clients' VJPs, GradAlign, one step, EMA (hfedf.md §3.4)."""
+
+    hp: HFedFHparams
+
+    def __init__(self, ctx: ServerContext, hp: HFedFHparams) -> None:
+        super().__init__(ctx, hp)
+        self.ema = ParameterEMA(hp.ema_alpha, hp.ema_warmup) if hp.ema else None
+        self.gradalign_log: dict[str, list[float] | list[int]] = {}
+
+    def learn_embeddings(self) -> bool:
+        return self.hp.embedding != "autoencoder"
+
+    # -- autoencoder embeddings: one "collect" task before round 1
+    def collect(self, clients: list[int]) -> dict[int, Message]:
+        if self.hp.embedding != "autoencoder":
+            return {}
+        task = Message(
+            "collect",
+            {},
+            {
+                "ae_seed": derive_seed(self.ctx.seed, INIT, _AE_INIT),
+                "latent_dim": self.embed_dim,
+            },
+        )
+        return dict.fromkeys(clients, task)
+
+    @torch.no_grad()
+    def on_collect(self, replies: dict[int, Message]) -> None:
+        for cid, reply in replies.items():
+            self.hnet.embeddings.weight[cid] = reply.arrays["embedding"]
+        self._generated.clear()
+
+    # -- rounds
+    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
+        return {cid: Message("fit", self.generated(cid)) for cid in clients}
+
+    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
+        n_nu = 1 if self.learn_embeddings() else 0
+        cids, g_nu, g_theta, trained = [], [], [], {}
+        for cid, msg in replies:
+            grads, trained[cid] = self.client_grads(cid, msg.arrays)
+            cids.append(cid)
+            g_nu.append(flat(grads[:n_nu])) if n_nu else None
+            g_theta.append(flat(grads[n_nu:]))
+            del grads
+        if not cids:  # every update of the round was rejected
+            return
+        w_theta = self._weights(g_theta, "theta", cids)
+        step = combine(g_theta, w_theta)
+        if n_nu:
+            step = torch.cat([combine(g_nu, self._weights(g_nu, "nu", cids)), step])
+        sizes = [p.numel() for p in self.trainable()]
+        self.apply(list(torch.split(step, sizes)))
+        self.record_trained(trained)
+
+    def _weights(self, grads: list[Tensor], part: str, cids: list[int]) -> Tensor:
+        """GradAlign weights (or the plain mean without GradAlign); logged for diagnostics."""
+        if self.hp.gradalign:
+            weights, cosines = gradalign_weights(grads, self.hp.gradalign_sign)
+            self.gradalign_log[f"gradalign_c_{part}"] = cosines.tolist()
+        else:
+            weights = torch.full((len(grads),), 1.0 / len(grads), dtype=torch.float64)
+        self.gradalign_log[f"gradalign_w_{part}"] = weights.tolist()
+        self.gradalign_log["gradalign_clients"] = cids
+        return weights
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update(self.trainable(), self.steps)
+        if self.hp.embedding == "random":  # C.3: fresh N(0, 1) embeddings after every step
+            nu = self.hnet.embeddings.weight
+            with torch.no_grad():
+                nu.copy_(torch.randn(nu.shape, generator=self.generator))
+
+    def diagnostics(self) -> dict[str, Any]:
+        return {**super().diagnostics(), **self.gradalign_log}
+
+    def state_dict(self) -> dict[str, Any]:
+        ema = self.ema.shadow if self.ema is not None else None
+        return {**super().state_dict(), "ema": ema, "gradalign": self.gradalign_log}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.ema is not None:
+            self.ema.shadow = state["ema"]
+        self.gradalign_log = state["gradalign"]
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class HypernetworkClient(ClientAlgorithm):
+    """Train the received generated model E epochs; reply Δ = initial − final (§3.6)."""
+
+    def run(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
+        stats = train_epochs(
+            ctx.model,
+            ctx.train,
+            optimizer,
+            epochs=ctx.local_epochs,
+            batch_size=ctx.batch_size,
+            generator=ctx.generator,
+        )
+        trained = get_arrays(ctx.model)
+        delta = {k: msg.arrays[k] - trained[k] for k in msg.arrays}
+        return Message("fit", delta, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
+
+
+class ConvAutoencoder(nn.Module):
+    """Table 6's autoencoder; at 32 px the latent is Linear(32·8·8, e), as in the paper."""
+
+    def __init__(self, latent_dim: int, resolution: int = 32) -> None:
+        super().__init__()
+        if resolution % 4:
+            raise ConfigError(
+                f"hfedf autoencoder embeddings: dataset.resolution={resolution} must be a "
+                "multiple of 4 (two 2x2 poolings, two 2x transposed convolutions)"
+            )
+        side = resolution // 4
+        self.encoder = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * side * side, latent_dim),
+        )
+        self.decoder = nn.Sequential(
+            nn.Linear(latent_dim, 32 * side * side),
+            nn.Unflatten(1, (32, side, side)),
+            nn.ConvTranspose2d(32, 16, 2, stride=2),
+            nn.ReLU(),
+            nn.ConvTranspose2d(16, 3, 2, stride=2),
+            nn.Sigmoid(),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.encoder(x))
+
+
+class HFedFClient(HypernetworkClient):
+    """Adds the one-time autoencoder-embedding task (C.2) to the shared fit."""
+
+    hp: HFedFHparams
+
+    def run(self, msg: Message, ctx: ClientContext) -> Message:
+        if msg.task == "collect":
+            return Message("collect", {"embedding": self.autoencoder_embedding(msg, ctx)})
+        return super().run(msg, ctx)
+
+    def autoencoder_embedding(self, msg: Message, ctx: ClientContext) -> Tensor:
+        """Train the shared-initialisation AE on a few local images (MSE, Adam) and return the
+        mean latent of this client's validation images. The sigmoid output assumes inputs in
+        [0, 1], i.e. no normalisation (hFedF's protocol)."""
+        if ctx.train.inputs.dim() != 4 or len(ctx.val) == 0:
+            raise ConfigError(
+                f"hfedf embedding=autoencoder: client {ctx.cid} needs image inputs and a "
+                "non-empty validation split (split.val_fraction > 0)"
+            )
+        pick = torch.randperm(len(ctx.train), generator=ctx.generator)[: self.hp.ae_images]
+        images = ClientData(ctx.train.inputs[pick], ctx.train.labels[pick], ctx.val.transform)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(msg.scalars["ae_seed"]))
+            ae = ConvAutoencoder(int(msg.scalars["latent_dim"]), int(images.inputs.shape[-1]))
+        optimizer = torch.optim.Adam(ae.parameters(), lr=self.hp.ae_lr)
+        ae.train()
+        for _ in range(self.hp.ae_epochs):
+            for x, _ in images.batches(self.hp.ae_batch_size, ctx.generator):
+                loss = F.mse_loss(ae(x), x)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        ae.eval()
+        with torch.no_grad():
+            latents = [ae.encoder(x) for x, _ in ctx.val.batches(512, shuffle=False)]
+        return torch.cat(latents).mean(0)
+
+
+# ----------------------------------------------------------------------------- registration
+
+_VARIANTS: list[tuple[str, type[HFedFHparams], str]] = [
+    ("hfedf", HFedFHparams, "hFedF: hypernetwork fusion with GradAlign and EMA"),
+    ("hfedf_no_gradalign", NoGradAlignHparams, "hFedF without GradAlign (mean of VJPs)"),
+    ("hfedf_no_ema", NoEmaHparams, "hFedF without the EMA write-back"),
+    (
+        "hfedf_no_gradalign_no_ema",
+        NoGradAlignNoEmaHparams,
+        "hFedF without GradAlign and EMA: synchronous pFedHN with Adam",
+    ),
+    ("hfedf_rand_embed", RandEmbedHparams, "hFedF with embeddings re-drawn after every step"),
+    ("hfedf_ae_embed", AeEmbedHparams, "hFedF with fixed autoencoder embeddings"),
+]
+
+for _name, _hparams, _description in _VARIANTS:
+    register(MethodSpec(_name, HFedFServer, HFedFClient, _hparams, description=_description))
