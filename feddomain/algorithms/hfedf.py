@@ -305,7 +305,7 @@ class HypernetworkServer(ServerAlgorithm):
         self.steps += 1
         self._generated.clear()
 
-    def after_step(self) -> None:  # noqa: B027 - optional hook
+    def after_step(self) -> None:
         """Post-step updates of the hypernetwork (EMA, embedding re-draws); none by default."""
 
     def record_trained(self, trained: dict[int, Arrays]) -> None:
@@ -384,7 +384,8 @@ class HFedFServer(HypernetworkServer):
         for cid, msg in replies:
             grads, trained[cid] = self.client_grads(cid, msg.arrays)
             cids.append(cid)
-            g_nu.append(flat(grads[:n_nu])) if n_nu else None
+            if n_nu:
+                g_nu.append(flat(grads[:n_nu]))
             g_theta.append(flat(grads[n_nu:]))
             del grads
         if not cids:  # every update of the round was rejected
