@@ -30,6 +30,13 @@ from torch import nn
 
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.training import (
+    LossFn,
+    TrainStats,
+    cross_entropy_loss,
+    set_arrays,
+    train_epochs,
+)
 
 Arrays = dict[str, torch.Tensor]
 # A round's plan: one message per client, as a dict, or lazily as (client id, message) pairs.
@@ -71,6 +78,28 @@ class ClientContext:
     local_epochs: int
     batch_size: int
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+    def fit(
+        self,
+        arrays: Arrays,
+        *,
+        loss_fn: LossFn = cross_entropy_loss,
+        regularizer: Callable[[], torch.Tensor] | None = None,
+    ) -> TrainStats:
+        """Load ``arrays`` into the shared model and train it for the configured local epochs
+        with a fresh optimiser (the usual client step of every FedAvg-family method)."""
+        set_arrays(self.model, arrays)
+        optimizer = self.make_optimizer(list(self.model.parameters()))
+        return train_epochs(
+            self.model,
+            self.train,
+            optimizer,
+            epochs=self.local_epochs,
+            batch_size=self.batch_size,
+            generator=self.generator,
+            loss_fn=loss_fn,
+            regularizer=regularizer,
+        )
 
 
 class ServerAlgorithm(ABC):

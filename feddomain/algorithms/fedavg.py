@@ -23,7 +23,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message, weighted_mean
-from feddomain.federation.training import get_arrays, set_arrays, train_epochs
+from feddomain.federation.training import get_arrays
 
 
 class FedAvgHparams(Hparams):
@@ -66,17 +66,7 @@ class FedAvgClient(ClientAlgorithm):
     """Load the received model, train E local epochs, return the trained arrays."""
 
     def run(self, msg: Message, ctx: ClientContext) -> Message:
-        set_arrays(ctx.model, msg.arrays)
-        optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
-        stats = train_epochs(
-            ctx.model,
-            ctx.train,
-            optimizer,
-            epochs=ctx.local_epochs,
-            batch_size=ctx.batch_size,
-            generator=ctx.generator,
-            regularizer=self.regularizer(msg, ctx),
-        )
+        stats = ctx.fit(msg.arrays, regularizer=self.regularizer(msg, ctx))
         return Message(
             "fit",
             get_arrays(ctx.model),

@@ -19,7 +19,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message
-from feddomain.federation.training import get_arrays, set_arrays, train_epochs
+from feddomain.federation.training import get_arrays
 
 
 class LocalServer(ServerAlgorithm):
@@ -53,16 +53,7 @@ class LocalServer(ServerAlgorithm):
 
 class LocalClient(ClientAlgorithm):
     def run(self, msg: Message, ctx: ClientContext) -> Message:
-        set_arrays(ctx.model, msg.arrays or ctx.state.arrays)
-        optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
-        stats = train_epochs(
-            ctx.model,
-            ctx.train,
-            optimizer,
-            epochs=ctx.local_epochs,
-            batch_size=ctx.batch_size,
-            generator=ctx.generator,
-        )
+        stats = ctx.fit(msg.arrays or ctx.state.arrays)
         ctx.state.arrays = get_arrays(ctx.model)
         return Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
 
