@@ -131,6 +131,10 @@ class ServerAlgorithm(ABC):
         """Model arrays to evaluate for client ``cid`` (``None``: the model for an unseen domain).
         Returning the same object for every client tells the runner it is one shared model."""
 
+    def diagnostics(self) -> dict[str, Any]:
+        """JSON-ready values logged with every evaluated round (e.g. GradAlign weights)."""
+        return {}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 

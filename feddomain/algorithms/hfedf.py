@@ -7,6 +7,11 @@ gradients with GradAlign's softmax-of-cosine weights (§3.7), takes one Adam ste
 an EMA of the hypernetwork back into it after a warm-up (§3.9). Only client-model-sized tensors
 cross the wire; θ and ν never leave the server.
 
+The VJPs are kept in factored form (``ClientGradients``): the heads are linear, so GradAlign's
+inner products and the weighted sum never build the N per-client gradients of θ (47 M floats
+each for the hFedF CNN). ``HFedFServer.diagnostics()`` exposes GradAlign's cosines and weights,
+the embeddings and the per-layer weight divergence between client models (§5.3-5.4).
+
 The hypernetwork, the VJP and the server optimiser are shared with pFedHN (``pfedhn.py``), which
 is the sequential, one-client-per-step ancestor of this method.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -36,7 +42,7 @@ from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
 from feddomain.federation.topology import INIT, SERVER, derive_seed
-from feddomain.federation.training import get_arrays, set_arrays, train_epochs
+from feddomain.federation.training import get_arrays
 
 # Extra keys of derive_seed that keep the server's draws apart from the runner's.
 _HNET_INIT, _AE_INIT = 1, 2
@@ -156,28 +162,94 @@ class HyperNetwork(nn.Module):
         return [*self.trunk.parameters(), *self.heads.parameters()]
 
 
-def hypernetwork_grads(
-    hnet: HyperNetwork, cid: int, delta: Arrays, inputs: list[Tensor]
-) -> tuple[tuple[Tensor, ...], Arrays]:
-    """VJP ``(∂φ_cid/∂inputs)^T Δ`` for each tensor in ``inputs`` (hfedf.md §3.6), and φ_cid.
+@dataclass
+class ClientGradients:
+    """The clients' VJPs ``g_i = (∂φ_i/∂(ν, θ))^T Δ_i`` in factored form (hfedf.md §3.6).
 
-    With Δ = initial − final this is the approximate loss gradient, so a descent step moves the
-    generated model toward the locally trained one.
+    Every head is linear in the trunk output z, so client i's gradient for head P is
+    ``Δ_i^P z_iᵀ`` (weight) and ``Δ_i^P`` (bias). Inner products between clients then need only
+    ⟨Δ_i, Δ_j⟩ and ⟨z_i, z_j⟩, and ``Σ_i w_i g_i`` is one matrix product per head, so the N
+    full-size gradients (47 M floats each for the hFedF CNN) are never materialised; only the
+    small trunk and embedding gradients are kept per client. Rows follow ``cids``.
     """
-    phi = hnet(cid)
-    names = list(phi)
-    grads = torch.autograd.grad(
-        [phi[n] for n in names], inputs, grad_outputs=[delta[n] for n in names]
+
+    cids: list[int]
+    z: Tensor  # [N, hidden] trunk outputs
+    deltas: list[Tensor]  # per head: [N, numel_P]
+    trunk: Tensor  # [N, |trunk|] trunk-parameter gradients
+    trunk_sizes: list[int]
+    nu: Tensor | None  # [N, N_all * L] embedding-table gradients; None when ν is fixed
+
+    def theta_gram(self) -> Tensor:
+        """G_ij = ⟨g_θ,i, g_θ,j⟩ over trunk and heads, in float64."""
+        dd = sum(d.double() @ d.double().T for d in self.deltas)
+        z, t = self.z.double(), self.trunk.double()
+        return dd * (z @ z.T + 1) + t @ t.T
+
+    def nu_gram(self) -> Tensor:
+        assert self.nu is not None
+        nu = self.nu.double()
+        return nu @ nu.T
+
+    def combine(self, w_theta: Tensor, w_nu: Tensor | None) -> list[Tensor]:
+        """``Σ_i w_i g_i`` per trainable tensor, flat or shaped, in ``trainable()`` order:
+        ν, the trunk's tensors, then each head's weight and bias."""
+        w = w_theta.to(self.z.dtype)
+        out: list[Tensor] = []
+        if self.nu is not None:
+            assert w_nu is not None, "learned embeddings need their own weights"
+            out.append(w_nu.to(self.z.dtype) @ self.nu)
+        out += torch.split(w @ self.trunk, self.trunk_sizes)
+        wz = w[:, None] * self.z
+        for d in self.deltas:
+            out += [d.T @ wz, w @ d]
+        return out
+
+
+def client_gradients(
+    hnet: HyperNetwork, deltas: dict[int, Arrays], learn_nu: bool = True
+) -> ClientGradients:
+    """Factored VJPs of the clients' Δ (initial − final) through the hypernetwork. With that
+    sign, a descent step moves each generated model toward its locally trained one (§3.6)."""
+    cids = list(deltas)
+    nu = hnet.embeddings.weight
+    trunk = list(hnet.trunk.parameters())
+    inputs = [nu, *trunk] if learn_nu else trunk
+    z = hnet.trunk(nu[cids])
+    stacked = [torch.stack([deltas[c][name].reshape(-1) for c in cids]) for name in hnet.shapes]
+    with torch.no_grad():  # ∂L/∂z_i = Σ_P W_Pᵀ Δ_i^P
+        dz = sum(d @ head.weight for d, head in zip(stacked, hnet.heads, strict=True))
+    rows = torch.stack(
+        [
+            flat(torch.autograd.grad(z[i], inputs, grad_outputs=dz[i], retain_graph=True))
+            for i in range(len(cids))
+        ]
     )
-    return grads, {n: t.detach() for n, t in phi.items()}
+    n_nu = nu.numel() if learn_nu else 0
+    return ClientGradients(
+        cids,
+        z.detach(),
+        stacked,
+        rows[:, n_nu:],
+        [p.numel() for p in trunk],
+        rows[:, :n_nu] if learn_nu else None,
+    )
+
+
+def flat(tensors: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def make_server_optimizer(
     params: list[nn.Parameter], hp: HypernetworkHparams
 ) -> torch.optim.Optimizer:
+    """Adam (hFedF, C.7) or SGD (pFedHN). Fused kernels: on CPU they step the 47 M-parameter
+    hypernetwork about ten times faster than the per-tensor loop (measured 0.52 s -> 0.04 s)."""
     if hp.server_optimizer == "adam":
-        return torch.optim.Adam(params, lr=hp.lr_s, weight_decay=hp.wd_s)
-    return torch.optim.SGD(params, lr=hp.lr_s, momentum=hp.server_momentum, weight_decay=hp.wd_s)
+        return torch.optim.Adam(params, lr=hp.lr_s, weight_decay=hp.wd_s, fused=True)
+    return torch.optim.SGD(
+        params, lr=hp.lr_s, momentum=hp.server_momentum, weight_decay=hp.wd_s, fused=True
+    )
 
 
 def weight_divergence(models: list[Arrays], prefix: str) -> dict[str, float]:
@@ -196,32 +268,17 @@ def weight_divergence(models: list[Arrays], prefix: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------- GradAlign and EMA
 
 
-def gradalign_weights(grads: list[Tensor], sign: int = 1) -> tuple[Tensor, Tensor]:
-    """Softmax over clients of ``sign · cos(g_i, mean_j g_j)`` (Alg. 3); returns (weights, cosines).
-
-    Cosines are invariant to the global sign of the gradients, so the Δ convention does not matter.
+def gradalign_weights(gram: Tensor, sign: int = 1) -> tuple[Tensor, Tensor]:
+    """GradAlign (Alg. 3) from the clients' Gram matrix ``G_ij = ⟨g_i, g_j⟩``: the cosine of each
+    g_i to the mean gradient ḡ (⟨ḡ, g_i⟩ = mean_j G_ij, ||ḡ||² = mean G), then a softmax over
+    clients of ``sign · cos``. Returns (weights, cosines). Cosines are invariant to the global
+    sign of the gradients, so the Δ convention does not matter here.
     """
-    mean = grads[0].clone()
-    for g in grads[1:]:
-        mean.add_(g)
-    mean.div_(len(grads))
-    mean_norm = mean.norm()
-    cosines = torch.stack(
-        [torch.dot(mean, g) / (mean_norm * g.norm() + 1e-12) for g in grads]
-    ).double()
+    gram = gram.double()
+    dots = gram.mean(dim=1)
+    mean_norm = gram.mean().clamp_min(0).sqrt()
+    cosines = dots / (mean_norm * gram.diagonal().clamp_min(0).sqrt() + 1e-12)
     return torch.softmax(sign * cosines, dim=0), cosines
-
-
-def flat(tensors: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def combine(grads: list[Tensor], weights: Tensor) -> Tensor:
-    """``Σ_i w_i g_i`` on flat vectors, one in-place axpy per client."""
-    total = torch.zeros_like(grads[0])
-    for g, w in zip(grads, weights.tolist(), strict=True):
-        total.add_(g, alpha=w)
-    return total
 
 
 class ParameterEMA:
@@ -290,10 +347,13 @@ class HypernetworkServer(ServerAlgorithm):
         return self.generated(cid)
 
     # -- the server step
-    def client_grads(self, cid: int, delta: Arrays) -> tuple[tuple[Tensor, ...], Arrays]:
-        """VJP of client ``cid``'s Δ w.r.t. the trainable tensors, and its trained model."""
-        grads, phi0 = hypernetwork_grads(self.hnet, cid, delta, self.trainable())
-        return grads, {k: phi0[k] - delta[k] for k in phi0}
+    def gradients(self, deltas: dict[int, Arrays]) -> ClientGradients:
+        return client_gradients(self.hnet, deltas, self.learn_embeddings())
+
+    def trained_model(self, cid: int, delta: Arrays) -> Arrays:
+        """φ~ = φ0 − Δ: the client's locally trained model (before this round's step)."""
+        phi0 = self.generated(cid)
+        return {k: phi0[k] - delta[k] for k in phi0}
 
     def apply(self, grads: list[Tensor]) -> None:
         """One optimiser step with ``grads`` (aligned with ``trainable()``)."""
@@ -379,32 +439,23 @@ class HFedFServer(HypernetworkServer):
         return {cid: Message("fit", self.generated(cid)) for cid in clients}
 
     def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
-        n_nu = 1 if self.learn_embeddings() else 0
-        cids, g_nu, g_theta, trained = [], [], [], {}
-        for cid, msg in replies:
-            grads, trained[cid] = self.client_grads(cid, msg.arrays)
-            cids.append(cid)
-            if n_nu:
-                g_nu.append(flat(grads[:n_nu]))
-            g_theta.append(flat(grads[n_nu:]))
-            del grads
-        if not cids:  # every update of the round was rejected
+        deltas = {cid: msg.arrays for cid, msg in replies}
+        if not deltas:  # every update of the round was rejected
             return
-        w_theta = self._weights(g_theta, "theta", cids)
-        step = combine(g_theta, w_theta)
-        if n_nu:
-            step = torch.cat([combine(g_nu, self._weights(g_nu, "nu", cids)), step])
-        sizes = [p.numel() for p in self.trainable()]
-        self.apply(list(torch.split(step, sizes)))
+        trained = {cid: self.trained_model(cid, d) for cid, d in deltas.items()}
+        grads = self.gradients(deltas)
+        w_theta = self._weights(grads.theta_gram(), "theta", grads.cids)
+        w_nu = self._weights(grads.nu_gram(), "nu", grads.cids) if grads.nu is not None else None
+        self.apply(grads.combine(w_theta, w_nu))
         self.record_trained(trained)
 
-    def _weights(self, grads: list[Tensor], part: str, cids: list[int]) -> Tensor:
+    def _weights(self, gram: Tensor, part: str, cids: list[int]) -> Tensor:
         """GradAlign weights (or the plain mean without GradAlign); logged for diagnostics."""
         if self.hp.gradalign:
-            weights, cosines = gradalign_weights(grads, self.hp.gradalign_sign)
+            weights, cosines = gradalign_weights(gram, self.hp.gradalign_sign)
             self.gradalign_log[f"gradalign_c_{part}"] = cosines.tolist()
         else:
-            weights = torch.full((len(grads),), 1.0 / len(grads), dtype=torch.float64)
+            weights = torch.full((len(cids),), 1.0 / len(cids), dtype=torch.float64)
         self.gradalign_log[f"gradalign_w_{part}"] = weights.tolist()
         self.gradalign_log["gradalign_clients"] = cids
         return weights
@@ -438,16 +489,7 @@ class HypernetworkClient(ClientAlgorithm):
     """Train the received generated model E epochs; reply Δ = initial − final (§3.6)."""
 
     def run(self, msg: Message, ctx: ClientContext) -> Message:
-        set_arrays(ctx.model, msg.arrays)
-        optimizer = ctx.make_optimizer(list(ctx.model.parameters()))
-        stats = train_epochs(
-            ctx.model,
-            ctx.train,
-            optimizer,
-            epochs=ctx.local_epochs,
-            batch_size=ctx.batch_size,
-            generator=ctx.generator,
-        )
+        stats = ctx.fit(msg.arrays)
         trained = get_arrays(ctx.model)
         delta = {k: msg.arrays[k] - trained[k] for k in msg.arrays}
         return Message("fit", delta, {"num_examples": len(ctx.train), "loss": stats.mean_loss})

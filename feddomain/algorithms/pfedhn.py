@@ -41,10 +41,10 @@ class PFedHNServer(HypernetworkServer):
         return torch.randperm(n, generator=self.generator).tolist()
 
     def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
-        trained = {}
+        trained, one = {}, torch.ones(1, dtype=torch.float64)
         for cid, msg in replies:
-            grads, trained[cid] = self.client_grads(cid, msg.arrays)
-            self.apply(list(grads))
+            trained[cid] = self.trained_model(cid, msg.arrays)
+            self.apply(self.gradients({cid: msg.arrays}).combine(one, one))
         if trained:
             self.record_trained(trained)
 

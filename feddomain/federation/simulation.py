@@ -120,6 +120,9 @@ class Simulation:
             if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
                 t0 = time.perf_counter()
                 record = {**record, **self.evaluate()}
+                diagnostics = self.server.diagnostics()
+                if diagnostics:
+                    record["diagnostics"] = diagnostics
                 record["time"]["evaluate"] = time.perf_counter() - t0
                 self.records.append(record)
                 self._append_metrics(record)
