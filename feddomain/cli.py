@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"feddomain {feddomain.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="FedAvg, Local-only and Central on the embedded digits")
+    demo = sub.add_parser("demo", help="FedAvg, Local-only, Central, hFedF on the embedded digits")
     demo.add_argument("--out", type=Path, default=None, help="run directory (default: a temp dir)")
     demo.add_argument("--quiet", action="store_true")
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -246,7 +246,7 @@ class _progress:
 
 
 # --------------------------------------------------------------------------- demo
-DEMO_METHODS = ("fedavg", "local", "central")
+DEMO_METHODS = ("fedavg", "local", "central", "hfedf")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
