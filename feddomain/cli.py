@@ -22,6 +22,7 @@ from rich.logging import RichHandler
 import feddomain
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError
+from feddomain.federation.flower.commands import add_commands as add_flower_commands
 
 console = Console(stderr=True)
 PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
@@ -85,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("overrides", nargs="*")
     part.add_argument("--out", type=Path, default=None, help="CSV file to write")
     part.set_defaults(func=cmd_partition)
+    add_flower_commands(sub)
     return p
 
 

@@ -1,0 +1,183 @@
+"""The ClientApp: one SuperNode's share of a feddomain run.
+
+A node rebuilds the run's data from the config the ServerApp sends (dataset, split, seeded
+partition — the same code as ``feddomain run``) and serves the client whose ``partition-id`` its
+node config names. It executes tasks through the simulator's own client path
+(``Simulation._run_client``: the same seeding from (seed, purpose, round, client), the same copies),
+so a deployed client trains exactly as a simulated one. The client's persistent state lives in
+the node's ``Context.state`` between messages, never in the server.
+
+Message types: ``query`` (describe the data this node holds), ``train`` (any task of the method:
+"fit", "collect", ...; the task name travels in the envelope) and ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+
+from feddomain.algorithms.base import Arrays
+from feddomain.config import ExperimentConfig, validate_config
+from feddomain.data.federated import (
+    build_federated_data,
+    experiment_splits,
+    load_experiment_dataset,
+)
+from feddomain.errors import ConfigError
+from feddomain.evaluation.metrics import EvalResult, evaluate_probs
+from feddomain.federation.data import ClientData
+from feddomain.federation.flower.records import (
+    ENVELOPE,
+    from_content,
+    load_state,
+    result_to_json,
+    results_to_json,
+    store_state,
+    to_content,
+)
+from feddomain.federation.flower.settings import node_overrides, node_partition
+from feddomain.federation.messages import Message
+from feddomain.federation.simulation import Simulation
+from feddomain.federation.training import predict_probs, set_arrays
+
+app = ClientApp()
+
+DESCRIBE, TRAIN, EVALUATE = "query", "train", "evaluate"
+
+
+class NodeRunner:
+    """The data and client machinery of one (config, split) on a node. Under Flower's
+    simulation engine one worker serves many virtual nodes, so it is built once per worker
+    and shared; each message names its client."""
+
+    def __init__(self, cfg: ExperimentConfig, split_index: int) -> None:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        dataset = load_experiment_dataset(cfg)
+        splits = experiment_splits(cfg, dataset)
+        if not 0 <= split_index < len(splits):
+            raise ConfigError(f"split index {split_index} out of range: {len(splits)} split(s)")
+        self.cfg = cfg
+        self.n_splits = len(splits)
+        self.split_index = split_index
+        data = build_federated_data(cfg, dataset, splits[split_index])
+        # The simulator's client half: model object, client part, contexts, seeding. Its
+        # server part is built too (cheap) but never driven here.
+        self.sim = Simulation(cfg, data, Path("."))
+
+    def state_key(self, cid: int) -> str:
+        return f"feddomain.split{self.split_index}.client{cid}"
+
+    def run(
+        self, cid: int, rnd: int, station_round: int, msg: Message, state: RecordDict
+    ) -> Message:
+        """Carry out one task exactly as the simulator would for this client."""
+        key = self.state_key(cid)
+        self.sim.states[cid] = load_state(state, key)
+        reply = self.sim._run_client(cid, rnd, msg, station_round)
+        store_state(state, key, self.sim.states[cid])
+        return reply
+
+    def evaluate(self, cid: int, offered: Arrays | None, state: RecordDict) -> dict[str, Any]:
+        """Score the model this client would use on its validation split (id) and on every
+        held-out domain (ood), as ``Simulation.evaluate`` does for one client. ``own`` says
+        whether the client replaced the offered arrays with its own model."""
+        sim = self.sim
+        sim.states[cid] = load_state(state, self.state_key(cid))
+        ctx = sim._context(cid, 0, torch.Generator())
+        arrays = sim.client.eval_arrays(offered, ctx)
+        set_arrays(sim.model, arrays)
+        bs = self.cfg.eval.batch_size
+
+        def score(data: ClientData) -> EvalResult:
+            return evaluate_probs(predict_probs(sim.model, data, bs), data.labels)
+
+        val = sim.data.val[cid]
+        return {
+            "own": arrays is not offered,
+            "id": result_to_json(score(val) if len(val) else None),
+            "ood": results_to_json({d: score(s) for d, s in sim.data.targets.items()}),
+            "val": results_to_json({d: score(s) for d, s in sim.data.ood_val.items()}),
+        }
+
+    def describe(self, cid: int) -> dict[str, Any]:
+        """What the server needs to know about the federation's data, without the data."""
+        data = self.sim.data
+        stations = data.stations or []
+        return {
+            "cid": cid,
+            "serves": cid < data.n_clients,  # a pooled method (Central) uses client 0 only
+            "n_splits": self.n_splits,
+            "n_clients": data.n_clients,
+            "dataset": data.dataset,
+            "domains": list(data.domains),
+            "classes": list(data.classes),
+            "train": list(data.split.train),
+            "val": list(data.split.val),
+            "test": list(data.split.test),
+            "input_shape": [int(s) for s in data.train[0].inputs.shape[1:]],
+            "counts": [int(c) for c in data.client_domain_counts.reshape(-1)],
+            "stations": [int(c) for s in stations for c in s],
+            "station_sizes": [len(s) for s in stations],
+        }
+
+
+_RUNNERS: dict[str, NodeRunner] = {}
+
+
+def node_runner(envelope: dict[str, Any], node_config: dict[str, Any]) -> NodeRunner:
+    """The runner for the message's (config, split), built on first use. Only the latest one
+    is kept, so a worker's memory holds one run's data."""
+    overrides = node_overrides(node_config)
+    key = json.dumps([envelope["config"], envelope["split"], overrides], sort_keys=True)
+    if key not in _RUNNERS:
+        _RUNNERS.clear()
+        raw = json.loads(str(envelope["config"]))
+        raw.setdefault("dataset", {}).update(overrides)
+        cfg = validate_config(raw, source="config sent by the ServerApp")
+        _RUNNERS[key] = NodeRunner(cfg, int(envelope["split"]))
+    return _RUNNERS[key]
+
+
+def _client(runner: NodeRunner, envelope: dict[str, Any], context: Context) -> int:
+    """The client this node holds; the server must have addressed that one."""
+    cid = node_partition(context.node_config, runner.cfg.partition.n_clients)
+    if int(envelope["cid"]) != cid:
+        raise ConfigError(f"message for client {envelope['cid']} reached the node holding {cid}")
+    return cid
+
+
+@app.query()
+def describe(message: FlowerMessage, context: Context) -> FlowerMessage:
+    envelope = dict(message.content.config_records[ENVELOPE])
+    runner = node_runner(envelope, dict(context.node_config))
+    cid = node_partition(context.node_config, runner.cfg.partition.n_clients)
+    content = RecordDict({ENVELOPE: ConfigRecord(runner.describe(cid))})
+    return FlowerMessage(content, reply_to=message)
+
+
+@app.train()
+def train(message: FlowerMessage, context: Context) -> FlowerMessage:
+    msg, envelope = from_content(message.content)
+    runner = node_runner(envelope, dict(context.node_config))
+    cid = _client(runner, envelope, context)
+    reply = runner.run(
+        cid, int(envelope["rnd"]), int(envelope["station_round"]), msg, context.state
+    )
+    return FlowerMessage(to_content(reply), reply_to=message)
+
+
+@app.evaluate()
+def evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
+    msg, envelope = from_content(message.content)
+    runner = node_runner(envelope, dict(context.node_config))
+    cid = _client(runner, envelope, context)
+    offered = msg.arrays if envelope["has_model"] else None
+    result = runner.evaluate(cid, offered, context.state)
+    return FlowerMessage(RecordDict({ENVELOPE: ConfigRecord(result)}), reply_to=message)

@@ -1,0 +1,114 @@
+"""``feddomain flower local | run``: the deployment commands of docs/deployment.md, shortened.
+
+``add_commands(subparsers)`` adds the ``flower`` command to feddomain's CLI. Nothing here imports
+Flower or torch at import time, so the CLI stays quick to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from feddomain.config import load_config
+from feddomain.errors import FeddomainError
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    flower = sub.add_parser("flower", help="deploy on Flower: a local federation, submit runs")
+    fsub = flower.add_subparsers(dest="flower_command", required=True)
+
+    local = fsub.add_parser("local", help="a SuperLink and N SuperNodes on this machine")
+    local.add_argument("--nodes", type=int, default=3, help="SuperNodes (node i holds client i)")
+    local.add_argument("--workdir", type=Path, default=Path("flower-local"))
+    local.add_argument("--tls-dir", type=Path, help="folder with ca.pem, server.pem, server.key")
+    local.add_argument("--cold", action="store_true", help="Flower's own executor (no warm fork)")
+    local.set_defaults(func=cmd_local)
+
+    run = fsub.add_parser("run", help="submit an experiment to a SuperLink (flwr run)")
+    run.add_argument("config", type=Path)
+    run.add_argument("overrides", nargs="*", help="dotted overrides, as for `feddomain run`")
+    run.add_argument("--out", type=Path, required=True, help="run directory (on the SuperLink)")
+    run.add_argument("--superlink", help="connection name in the Flower config (default: its)")
+    run.add_argument("--flwr-home", type=Path, help="Flower home holding that config")
+    run.add_argument("--min-replies", type=int, default=1)
+    run.add_argument("--round-timeout", type=float, default=600.0)
+    run.add_argument("--node-timeout", type=float, default=300.0)
+    run.add_argument(
+        "--federation-config",
+        help="simulation engine settings, e.g. 'num-supernodes=3 client-resources-num-cpus=1'",
+    )
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_local(args: argparse.Namespace) -> None:
+    from feddomain.federation.flower.deploy import LocalFederation, TLSFiles
+
+    tls = None
+    if args.tls_dir is not None:
+        tls = TLSFiles(
+            args.tls_dir / "ca.pem", args.tls_dir / "server.pem", args.tls_dir / "server.key"
+        )
+        missing = [str(p) for p in (tls.ca, tls.cert, tls.key) if not p.is_file()]
+        if missing:
+            raise FeddomainError(f"--tls-dir {args.tls_dir}: missing {', '.join(missing)}")
+    with LocalFederation(args.nodes, args.workdir.resolve(), tls=tls, warm=not args.cold) as fed:
+        print(
+            f"SuperLink on {fed.host}:{fed.port}, {args.nodes} SuperNodes; logs in {fed.workdir}\n"
+            f"submit with: feddomain flower run CONFIG --out DIR --flwr-home {fed.flwr_home}\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        try:
+            while all(p.popen.poll() is None for p in [fed.superlink, *fed.nodes] if p):
+                time.sleep(1.0)
+            raise FeddomainError(f"a Flower process exited; see the logs in {fed.workdir}")
+        except KeyboardInterrupt:
+            pass
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    """Validate the config here, send it inline, stream the run, check it wrote its summary."""
+    import tomli_w
+
+    from feddomain.federation.flower.deploy import QUIET_ENV, stage_app
+
+    cfg = load_config(args.config, args.overrides)  # errors surface before anything is sent
+    out = args.out.expanduser().resolve()
+    run_config = {
+        "config-yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+        "out": str(out),
+        "min-replies": args.min_replies,
+        "round-timeout": args.round_timeout,
+        "node-timeout": args.node_timeout,
+    }
+    staging = Path(tempfile.mkdtemp(prefix="feddomain-flower-"))
+    overrides_file = staging / "run-config.toml"
+    overrides_file.write_text(tomli_w.dumps(run_config))
+    app = stage_app(staging / "app")  # a lean copy: Flower bundles it in milliseconds
+    cmd = ["flwr", "run", str(app), *([args.superlink] if args.superlink else [])]
+    cmd += ["--run-config", str(overrides_file), "--stream"]
+    if args.federation_config:
+        cmd += ["--federation-config", args.federation_config]
+    env = {**os.environ, **QUIET_ENV}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if args.flwr_home:
+        env["FLWR_HOME"] = str(args.flwr_home.resolve())
+    try:
+        subprocess.run(cmd, env=env, check=False)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if not list(out.glob("summary.json")) and not list(out.glob("*/summary.json")):
+        # `flwr run` exits 0 even when the ServerApp failed; a remote SuperLink writes there
+        print(
+            f"note: no summary.json under {out} on this machine: if the SuperLink runs here, "
+            "the run failed (see the log above); otherwise the run directory is on its machine",
+            file=sys.stderr,
+        )

@@ -1,0 +1,456 @@
+"""The ServerApp: a feddomain run driven over Flower's Grid instead of in-process calls.
+
+``FlowerRunner`` is the simulator (``Simulation``) with one thing replaced: where the simulator
+calls a client, it sends the message to the SuperNode holding that client and waits. Round
+structure, server and station parts (stations run here, in the ServerApp's process), the
+sampling stream, NaN rejection, evaluation cadence, ``metrics.jsonl`` and ``summary.json`` are
+the simulator's own code, which is what makes a deployed run equal to a simulated one.
+
+Tolerance: a round closes when every reply arrived, or when ``round-timeout`` seconds passed and
+at least ``min-replies`` replies arrived; every missing client is logged by id and listed in
+``summary.json["lost_clients"]``. Fewer replies than that stops the run with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flwr
+import numpy as np
+import torch
+import yaml
+from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.serverapp import Grid, ServerApp
+
+import feddomain
+from feddomain.algorithms.base import Plan, plan_items
+from feddomain.config import ExperimentConfig
+from feddomain.data.federated import FederatedData
+from feddomain.data.splits import DomainSplit
+from feddomain.errors import FeddomainError
+from feddomain.evaluation.metrics import EvalResult
+from feddomain.federation.data import ClientData
+from feddomain.federation.flower.client import DESCRIBE, EVALUATE, TRAIN
+from feddomain.federation.flower.records import (
+    ENVELOPE,
+    from_content,
+    result_from_json,
+    results_from_json,
+    to_content,
+)
+from feddomain.federation.flower.settings import FlowerSettings
+from feddomain.federation.messages import Message
+from feddomain.federation.simulation import Simulation, _summarise_eval
+
+log = logging.getLogger("feddomain")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    settings = FlowerSettings.from_run_config(context.run_config)
+    cfg = settings.experiment()
+    console = logging.StreamHandler(sys.stderr)  # shown by `flwr run --stream`
+    console.setFormatter(logging.Formatter(LOG_FORMAT))
+    log.addHandler(console)
+    log.setLevel(logging.INFO)
+    try:
+        run_deployment(grid, cfg, settings, run_id=context.run_id)
+    finally:
+        log.removeHandler(console)
+
+
+# ------------------------------------------------------------------ transport
+class NodeLink:
+    """Sends feddomain messages to the SuperNodes holding given clients and collects replies,
+    with the run's minimum-replies / timeout rule."""
+
+    def __init__(self, grid: Grid, settings: FlowerSettings, cfg: ExperimentConfig) -> None:
+        self.grid = grid
+        self.settings = settings
+        self.config_json = json.dumps(cfg.to_dict())
+        self.nodes: dict[int, int] = {}  # client id -> SuperNode id
+        self.lost: list[dict[str, Any]] = []
+        self.gone: dict[int, int] = {}  # client id -> round in which it timed out
+
+    def exchange(
+        self,
+        kind: str,
+        items: list[tuple[int, RecordDict]],
+        rnd: int,
+        *,
+        required: int | None = None,
+    ) -> dict[int, RecordDict]:
+        """Send each client its content and return the replies by client id. Waits for all, or
+        until ``round-timeout`` has passed with at least ``required`` replies (default: the
+        run's ``min-replies``, capped at the number sent). Missing clients are logged as lost."""
+        timeout = self.settings.round_timeout
+        online = set(self.grid.get_node_ids())
+        messages, cids = [], []
+        for cid, content in items:
+            node = self.nodes[cid]
+            if node not in online:
+                self._lose(kind, rnd, cid, "its SuperNode is offline")
+                continue
+            if self.gone.get(cid) == rnd:  # one timeout per round, not one per exchange
+                self._lose(kind, rnd, cid, "it timed out earlier in this round")
+                continue
+            messages.append(
+                FlowerMessage(content, dst_node_id=node, message_type=kind, group_id=str(rnd))
+            )
+            cids.append(cid)
+        pending = dict(zip(self.grid.push_messages(messages), cids, strict=True))
+        required = min(self.settings.min_replies if required is None else required, len(cids))
+        replies: dict[int, RecordDict] = {}
+        start = time.monotonic()
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                cid = pending.pop(reply.metadata.reply_to_message_id, None)
+                if cid is None:
+                    continue
+                if reply.has_error():
+                    self._lose(kind, rnd, cid, f"its node failed: {reply.error.reason}")
+                else:
+                    replies[cid] = reply.content
+            if pending and time.monotonic() - start >= timeout:
+                if len(replies) < required:
+                    missing = sorted(pending.values())
+                    raise FeddomainError(
+                        f"{kind} round {rnd}: {len(replies)} of {len(cids)} replies after "
+                        f"{timeout:g} s, fewer than min-replies={required}; no reply from "
+                        f"clients {missing}"
+                    )
+                for cid in sorted(pending.values()):
+                    self._lose(kind, rnd, cid, f"no reply within {timeout:g} s")
+                    self.gone[cid] = rnd
+                break
+            if pending:
+                time.sleep(self.settings.poll_interval)
+        if len(replies) < required:
+            raise FeddomainError(
+                f"{kind} round {rnd}: only {len(replies)} of {len(cids)} clients replied, "
+                f"fewer than min-replies={required}"
+            )
+        return replies
+
+    def _lose(self, kind: str, rnd: int, cid: int, why: str) -> None:
+        node = self.nodes.get(cid)
+        log.warning("round %d (%s): lost client %d (SuperNode %s): %s", rnd, kind, cid, node, why)
+        self.lost.append({"round": rnd, "task": kind, "client": cid, "node": node, "reason": why})
+
+
+# ------------------------------------------------------------------ discovery
+@dataclass
+class Federation:
+    """What the nodes told the server about one split: the data's shape, never the data."""
+
+    data: FederatedData
+    n_splits: int
+
+
+def discover(link: NodeLink, split_index: int) -> Federation:
+    """Ask every connected SuperNode what it holds for this split; wait until some node holds
+    each client. Nodes must agree on the data (same config, same files), or the run stops."""
+    settings, grid = link.settings, link.grid
+    log.info("split %d: asking the connected SuperNodes what they hold", split_index)
+    deadline = time.monotonic() + settings.node_timeout
+    infos: dict[int, dict[str, Any]] = {}  # SuperNode id -> its description
+    link.nodes = {}
+    while True:
+        new = sorted(set(grid.get_node_ids()) - set(infos))
+        if new:
+            infos.update(_describe(link, new, split_index, deadline))
+            _map_clients(link, infos)
+        reference = next(iter(infos.values()), None)
+        if reference is not None and len(link.nodes) == reference["n_clients"]:
+            return Federation(_shell_data(reference), int(reference["n_splits"]))
+        if time.monotonic() > deadline:
+            wanted = reference["n_clients"] if reference else "?"
+            raise FeddomainError(
+                f"after {settings.node_timeout:g} s, SuperNodes hold clients "
+                f"{sorted(link.nodes)} of {wanted}; start one SuperNode per client with "
+                f"--node-config 'partition-id=N'"
+            )
+        time.sleep(1.0)
+
+
+def _describe(
+    link: NodeLink, nodes: list[int], split_index: int, deadline: float
+) -> dict[int, dict[str, Any]]:
+    envelope = {"task": "describe", "split": split_index, "config": link.config_json, "cid": -1}
+    messages = [
+        FlowerMessage(
+            RecordDict({ENVELOPE: ConfigRecord(envelope)}),
+            dst_node_id=node,
+            message_type=DESCRIBE,
+            group_id="0",
+        )
+        for node in nodes
+    ]
+    pending = dict(zip(link.grid.push_messages(messages), nodes, strict=True))
+    out: dict[int, dict[str, Any]] = {}
+    while pending and time.monotonic() < deadline:
+        for reply in link.grid.pull_messages(list(pending)):
+            node = pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            if reply.has_error():
+                raise FeddomainError(
+                    f"SuperNode {node} cannot serve this run: {reply.error.reason}"
+                )
+            out[node] = dict(reply.content.config_records[ENVELOPE])
+        time.sleep(link.settings.poll_interval)
+    return out
+
+
+AGREED = ("n_splits", "n_clients", "dataset", "domains", "classes", "train", "val", "test")
+AGREED += ("input_shape", "counts", "stations", "station_sizes")
+
+
+def _map_clients(link: NodeLink, infos: dict[int, dict[str, Any]]) -> None:
+    """Client id -> SuperNode, after checking that every node describes the same data."""
+    reference_node, reference = next(iter(infos.items()))
+    for node, info in infos.items():
+        for key in AGREED:
+            if info[key] != reference[key]:
+                raise FeddomainError(
+                    f"SuperNodes {reference_node} and {node} disagree on '{key}' of the data "
+                    f"({reference[key]} vs {info[key]}): give every node the same dataset files"
+                )
+        if not info["serves"]:
+            continue
+        cid = int(info["cid"])
+        other = link.nodes.get(cid)
+        if other is not None and other != node:
+            raise FeddomainError(
+                f"SuperNodes {other} and {node} both hold client {cid} (partition-id={cid}); "
+                "give each node its own partition-id"
+            )
+        link.nodes[cid] = node
+
+
+def _shell_data(info: dict[str, Any]) -> FederatedData:
+    """A FederatedData with the federation's shape and no samples: what the server side of the
+    simulator reads (client count, classes, stations, domain counts for the summary)."""
+    n = int(info["n_clients"])
+    empty = ClientData(torch.empty(0, *info["input_shape"]), torch.empty(0, dtype=torch.int64))
+    stations, offset = None, 0
+    if info["station_sizes"]:
+        stations = []
+        for size in info["station_sizes"]:
+            stations.append(np.asarray(info["stations"][offset : offset + size], dtype=np.int64))
+            offset += size
+    return FederatedData(
+        dataset=str(info["dataset"]),
+        domains=tuple(info["domains"]),
+        classes=tuple(info["classes"]),
+        split=DomainSplit(tuple(info["train"]), tuple(info["val"]), tuple(info["test"])),
+        train=[empty] * n,
+        val=[empty] * n,
+        client_domain_counts=np.asarray(info["counts"], dtype=np.int64).reshape(n, -1),
+        targets={},
+        ood_val={},
+        stations=stations,
+    )
+
+
+# --------------------------------------------------------------------- runner
+class FlowerRunner(Simulation):
+    """The simulator, with clients reached through ``NodeLink``. Per-client state is kept by
+    the nodes; a Flower run does not checkpoint (the nodes' state would not come back)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        data: FederatedData,
+        out_dir: Path,
+        link: NodeLink,
+        split_index: int,
+    ) -> None:
+        super().__init__(cfg, data, out_dir, progress=_log_progress)
+        self.link = link
+        self.split_index = split_index
+        self.states = []  # never used here: each node keeps its client's state
+        self._replies: dict[int, Message] = {}
+        self._rnd = 0
+
+    def _round(self, rnd: int) -> dict[str, Any]:
+        self._rnd = rnd
+        return super()._round(rnd)
+
+    def _envelope(self, cid: int, rnd: int, station_round: int = 0) -> dict[str, Any]:
+        return {
+            "cid": cid,
+            "rnd": rnd,
+            "station_round": station_round,
+            "split": self.split_index,
+            "config": self.link.config_json,
+        }
+
+    def _client_replies(
+        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int = 0
+    ) -> Iterator[tuple[int, Message]]:
+        delivered = self._exchanged(rnd, plan, timing, station_round)
+        return super()._client_replies(rnd, delivered, timing, station_round)
+
+    def _exchanged(
+        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int
+    ) -> Iterator[tuple[int, Message]]:
+        """Send the plan to the nodes — a fixed plan all at once, a lazy (sequential) plan one
+        client at a time — and pass on the clients that replied; the simulator's loop then
+        takes each reply from ``_run_client``."""
+        batches = [list(plan.items())] if isinstance(plan, Mapping) else ([i] for i in plan)
+        for batch in batches:
+            t0 = time.perf_counter()
+            items = [(c, to_content(m, **self._envelope(c, rnd, station_round))) for c, m in batch]
+            # a sequential method skips a lost client instead of failing the round
+            required = None if isinstance(plan, Mapping) else 0
+            replies = self.link.exchange(TRAIN, items, rnd, required=required)
+            timing["train"] += time.perf_counter() - t0
+            for cid, msg in batch:
+                if cid in replies:
+                    self._replies[cid] = from_content(replies[cid])[0]
+                    yield cid, msg
+
+    def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
+        reply = self._replies.pop(cid)
+        self.bytes["down"] += msg.nbytes
+        self.bytes["up"] += reply.nbytes
+        return reply
+
+    def _collect(self) -> None:
+        plan = self.server.collect(list(range(self.data.n_clients)))
+        if not plan:
+            return
+        delivered = self._exchanged(0, dict(plan_items(plan)), {"train": 0.0}, 0)
+        self.server.on_collect({cid: self._run_client(cid, 0, msg) for cid, msg in delivered})
+
+    def evaluate(self) -> dict[str, Any]:
+        """Each node scores the model its client would use; one shared model is scored on the
+        target domains by every node but counted once, as in the simulator."""
+        offers = {cid: self.server.eval_arrays(cid) for cid in range(self.data.n_clients)}
+        items = []
+        for cid, arrays in offers.items():
+            msg = Message("evaluate", arrays or {})
+            envelope = {**self._envelope(cid, 0), "has_model": arrays is not None}
+            items.append((cid, to_content(msg, **envelope)))
+        replies = self.link.exchange(EVALUATE, items, self._rnd)
+        firsts: dict[tuple[str, int], dict[str, Any]] = {}
+        id_results: list[EvalResult | None] = []
+        ood, ood_val = [], []
+        for cid in sorted(replies):
+            reply = dict(replies[cid].config_records[ENVELOPE])
+            model = ("client", cid) if reply["own"] else ("server", id(offers[cid]))
+            first = firsts.setdefault(model, reply)
+            id_results.append(result_from_json(str(reply["id"])))
+            ood.append(results_from_json(str(first["ood"])))
+            ood_val.append(results_from_json(str(first["val"])))
+        return _summarise_eval(id_results, ood, ood_val, len(firsts))
+
+    def _restore(self) -> int:
+        (self.out / "metrics.jsonl").unlink(missing_ok=True)
+        return 1
+
+    def _save(self, rnd: int, elapsed: float) -> None:
+        """No checkpoints: clients' state lives on the nodes and would not come back."""
+
+    def summary(self, wall_time: float) -> dict[str, Any]:
+        out = super().summary(wall_time)
+        out["runner"] = "flower"
+        out["lost_clients"] = list(self.link.lost)
+        return out
+
+
+# ------------------------------------------------------------------ the run
+def run_deployment(
+    grid: Grid, cfg: ExperimentConfig, settings: FlowerSettings, *, run_id: int = 0
+) -> list[Path]:
+    """Every split of ``cfg`` over the connected SuperNodes, written like ``feddomain run``
+    writes it: ``out/`` for one split, ``out/<split>/`` for several. Returns the run dirs."""
+    out = settings.out
+    if out.exists() and any(out.iterdir()):
+        raise FeddomainError(f"output directory {out} already holds files; choose a new 'out'")
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _write_run_config(out, cfg, run_id)
+    run_dirs: list[Path] = []
+    split_index, n_splits = 0, 1
+    while split_index < n_splits:
+        link = NodeLink(grid, settings, cfg)
+        federation = discover(link, split_index)
+        n_splits = federation.n_splits
+        run_dir = out if n_splits == 1 else out / federation.data.split.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if run_dir != out:
+            _write_run_config(run_dir, cfg, run_id)
+        with _run_log(run_dir):
+            log.info(
+                "%s %s: clients on SuperNodes %s",
+                cfg.algorithm.name,
+                federation.data.split.name,
+                dict(sorted(link.nodes.items())),
+            )
+            runner = FlowerRunner(cfg, federation.data, run_dir, link, split_index)
+            summary = runner.run()
+            torch.save(runner.server.state_dict(), run_dir / "server_state.pt")
+            log.info(
+                "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs",
+                summary["algorithm"],
+                federation.data.split.name,
+                summary["id_acc"] or float("nan"),
+                summary["ood_acc"],
+                summary["selection"],
+                summary["selected_round"],
+                summary["wall_time_s"],
+            )
+        run_dirs.append(run_dir)
+        split_index += 1
+    return run_dirs
+
+
+def _log_progress(rnd: int, record: dict[str, Any] | None) -> None:
+    if record is not None:
+        log.info("round %d: id %.3f  ood %.3f", rnd, record["id_acc"] or 0.0, record["ood_acc"])
+
+
+class _run_log:
+    """The feddomain log of one run, kept in ``flower.log`` in its run directory."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.handler = logging.FileHandler(run_dir / "flower.log")
+        self.handler.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    def __enter__(self) -> None:
+        log.addHandler(self.handler)
+        log.setLevel(logging.INFO)
+
+    def __exit__(self, *exc: object) -> None:
+        log.removeHandler(self.handler)
+        self.handler.close()
+
+
+def _write_run_config(run_dir: Path, cfg: ExperimentConfig, run_id: int) -> None:
+    """config.yaml as ``feddomain run`` writes it, and the provenance of the deployment."""
+    provenance = {
+        "feddomain_version": feddomain.__version__,
+        "runner": "flower",
+        "flwr": flwr.__version__,
+        "flower_run_id": run_id,
+        "torch": str(torch.__version__),
+        "python": sys.version.split()[0],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seed": cfg.seed,
+    }
+    (run_dir / "provenance.yaml").write_text(yaml.safe_dump(provenance, sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,168 @@
+"""A warm SuperExec: each ClientApp / ServerApp task runs in a forked copy of a process that has
+already imported torch and feddomain.
+
+Flower's default SuperExec starts a fresh ``flwr-clientapp`` process for every message (and a
+``flwr-serverapp`` per run); importing torch, torchvision and feddomain there costs ~5 s per
+message on a laptop CPU (more on a busy one), which dominates a round of a small model. Start the
+SuperNode (or SuperLink) with ``--isolation process`` and this executor next to it::
+
+    flower-supernode --isolation process --port 9094 ...
+    python -m feddomain.federation.flower.warm --runtime-api-address 127.0.0.1:9094 --insecure
+
+Tasks then start in milliseconds. The forked App is the feddomain installed on the machine
+(the modules are already imported), not the copy inside the App bundle: keep every machine's
+feddomain at the same version. Linux/macOS only (``fork``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from queue import Queue
+
+import flwr.supercore.superexec.run_superexec as superexec
+from flwr.supercore.constant import TaskType
+from flwr.supercore.logger import mirror_output_to_queue, restore_output
+from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
+from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
+from flwr.supercore.tls import validate_and_resolve_root_certificates
+from flwr.superlink.runtime import run_serverapp
+from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+import feddomain.federation.flower.server  # noqa: F401 - warm-up: torch, models, both Apps
+from feddomain.federation.flower.deploy import READY
+
+WARM_TASKS = (TaskType.CLIENT_APP, TaskType.SERVER_APP)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class ForkExecutor(SubprocessExecutor):
+    """Launches ClientApp and ServerApp tasks with ``fork`` (other task types as Flower does)."""
+
+    def __init__(self) -> None:
+        self.children: set[int] = set()
+
+    def launch(self, spec: ExecutionSpec) -> LaunchResult:
+        if spec.task_type not in WARM_TASKS:
+            return super().launch(spec)
+        pid = os.fork()
+        if pid == 0:  # the child runs one task and never returns into the loop
+            code = 1
+            try:
+                _die_with_parent()
+                run_task(spec)
+                code = 0
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else 0
+            finally:
+                os._exit(code)
+        self.children.add(pid)
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        """Reap finished tasks so they leave no zombies."""
+        for pid in list(self.children):
+            try:
+                finished, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                finished = pid
+            if finished:
+                self.children.discard(pid)
+
+
+def _die_with_parent() -> None:
+    """A task must not outlive the executor that forked it (e.g. its node was killed): on
+    Linux the kernel sends it SIGKILL when the parent exits; elsewhere Flower's own
+    parent-process monitor (``parent_pid``) ends it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_task(spec: ExecutionSpec) -> None:
+    """What ``flwr-clientapp`` / ``flwr-serverapp`` do after their imports."""
+    kwargs = {
+        "runtime_api_address": spec.runtime_api_address,
+        "token": spec.token,
+        "insecure": spec.insecure,
+        "certificates": validate_and_resolve_root_certificates(
+            spec.root_certificates_path, spec.insecure
+        ),
+        "parent_pid": spec.parent_pid,
+        "runtime_dependency_install": spec.runtime_dependency_install,
+    }
+    if spec.task_type == TaskType.CLIENT_APP:
+        run_clientapp(**kwargs)
+        return
+    log_queue: Queue[str | None] = Queue()  # the ServerApp's output goes to `flwr run --stream`
+    mirror_output_to_queue(log_queue)
+    try:
+        run_serverapp(log_queue=log_queue, **kwargs)
+    finally:
+        restore_output()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One Runtime API to serve: a SuperNode's (or SuperLink's) ``host:port``."""
+
+    address: str
+    root_certificates: str | None = None  # CA file when the Runtime API uses TLS
+    parent_pid: int | None = None  # stop serving when this process (the node) exits
+
+
+def serve(targets: list[Target]) -> None:
+    """Serve every target from one warm import: the first here, the others in forked copies
+    (one machine pays the imports once, however many SuperNodes it runs)."""
+    print(READY, flush=True)
+    for target in targets[1:]:
+        if os.fork() == 0:
+            try:
+                _die_with_parent()
+                _serve_one(target)
+            finally:
+                os._exit(0)
+    _serve_one(targets[0])
+
+
+def _serve_one(target: Target) -> None:
+    executor = ForkExecutor()
+    superexec.get_executor = lambda *_, **__: executor  # Flower offers no executor plug-in
+    superexec.run_superexec(
+        runtime_api_address=target.address,
+        insecure=target.root_certificates is None,
+        root_certificates_path=target.root_certificates,
+        parent_pid=target.parent_pid,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime-api-address", help="the SuperNode's host:port")
+    parser.add_argument("--insecure", action="store_true", help="Runtime API without TLS")
+    parser.add_argument("--root-certificates", default=None, help="CA of the Runtime API's TLS")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when it exits")
+    parser.add_argument(
+        "--serve",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='more targets, e.g. \'{"address": "127.0.0.1:9095", "parent_pid": 123}\'',
+    )
+    args = parser.parse_args(argv)
+    targets = [Target(**json.loads(text)) for text in args.serve]
+    if args.runtime_api_address:
+        if not args.insecure and args.root_certificates is None:
+            parser.error("give --root-certificates CA for a TLS Runtime API, or --insecure")
+        targets.insert(0, Target(args.runtime_api_address, args.root_certificates, args.parent_pid))
+    if not targets:
+        parser.error("nothing to serve: give --runtime-api-address or --serve")
+    serve(targets)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,570 @@
+"""Flower deployment: every registered method as a Flower App, equal to the in-process simulator.
+
+Loopback tests drive the real ServerApp code (``run_deployment``) and the real ClientApp object in
+this process through a Grid that serialises every message to Flower's wire objects and back and
+runs each node with its own RNG state (as a separate process would): parity for every method in
+seconds, plus the tolerance rules. Process tests start a real SuperLink and SuperNodes on
+127.0.0.1 — insecure, then TLS with certificates and SuperNode keys made here — and kill a
+SuperNode in the middle of round 2. Every process a test starts is stopped by ``LocalFederation``
+(a context manager), also when the test fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from flwr.app import Context, Error, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.serverapp import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+from flwr.supercore.task_identity import TaskIdentity
+
+from feddomain.algorithms import METHODS
+from feddomain.cli import run_experiment
+from feddomain.config import ExperimentConfig, load_config
+from feddomain.data.federated import (
+    build_federated_data,
+    experiment_splits,
+    load_experiment_dataset,
+)
+from feddomain.errors import ConfigError, FeddomainError
+from feddomain.evaluation.metrics import evaluate_probs
+from feddomain.evaluation.report import build_report
+from feddomain.federation.flower.client import app as client_app
+from feddomain.federation.flower.deploy import LocalFederation, TLSFiles, session_members
+from feddomain.federation.flower.records import (
+    from_content,
+    load_state,
+    result_from_json,
+    result_to_json,
+    store_state,
+    to_content,
+)
+from feddomain.federation.flower.server import run_deployment
+from feddomain.federation.flower.settings import FlowerSettings, node_partition
+from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.simulation import Simulation
+
+PROJECT = Path(__file__).resolve().parents[1]
+DEMO = PROJECT / "configs" / "demo.yaml"
+BASE = ["rounds=2", "split.targets=[grey]", "checkpoint.every=0", "train.batch_size=128"]
+
+
+def demo_config(*overrides: str) -> ExperimentConfig:
+    return load_config(DEMO, [*BASE, *overrides])
+
+
+def simulate(cfg: ExperimentConfig, out: Path) -> Simulation:
+    """The reference: the in-process simulator on the same config."""
+    dataset = load_experiment_dataset(cfg)
+    (split,) = experiment_splits(cfg, dataset)
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    sim = Simulation(cfg, build_federated_data(cfg, dataset, split), out)
+    sim.run()
+    return sim
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl without the phase times (wall clock, which differs between runs)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
+
+
+def assert_same_state(a: Any, b: Any, tol: float = 0.0, path: str = "state") -> None:
+    """Nested server states agree: tensors within ``tol`` (max absolute difference; 0: exact),
+    everything else (numbers, names, RNG states) exactly."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        assert diff <= tol, f"{path}: max abs diff {diff}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same_state(a[k], b[k], tol, f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, tol, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+    else:
+        assert a == b or (a != a and b != b), f"{path}: {a!r} != {b!r}"
+
+
+# ------------------------------------------------------------------------- loopback
+def over_the_wire(msg: FlowerMessage) -> FlowerMessage:
+    """Deflate a message into Flower's content-addressed objects and inflate it again, as the
+    SuperLink and SuperNode transport it; the id is the message's object id, as there."""
+    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(msg).items()}
+    out = inflate_object_from_contents(msg.object_id, contents)
+    out.metadata.__dict__["_message_id"] = msg.object_id
+    return out
+
+
+class LoopbackGrid(Grid):
+    """Nodes in this process: node ``i`` (id 100+i) holds ``partition-id`` i; ``silent`` nodes
+    describe themselves but never answer a task (a machine gone after joining); ``broken``
+    nodes answer training with an error (their ClientApp raised)."""
+
+    def __init__(
+        self,
+        node_configs: list[dict[str, Any]],
+        silent: tuple[int, ...] = (),
+        broken: tuple[int, ...] = (),
+    ) -> None:
+        self.contexts = {
+            100 + i: Context(
+                run_id=1, node_id=100 + i, node_config=c, state=RecordDict(), run_config={}
+            )
+            for i, c in enumerate(node_configs)
+        }
+        self.silent = {100 + i for i in silent}
+        self.broken = {100 + i for i in broken}
+        self.replies: dict[str, FlowerMessage] = {}
+        self.received: list[tuple[int, str, str]] = []  # (node, message type, group id)
+
+    def set_run(self, run: Any) -> None:  # pragma: no cover - not used by the ServerApp
+        raise NotImplementedError
+
+    @property
+    def run(self) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *args: Any, **kwargs: Any) -> FlowerMessage:  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Any) -> list[str]:
+        ids = []
+        for msg in messages:
+            wire = over_the_wire(msg)
+            node = wire.metadata.dst_node_id
+            ids.append(wire.metadata.message_id)
+            self.received.append((node, wire.metadata.message_type, wire.metadata.group_id))
+            if node in self.silent and wire.metadata.message_type != "query":
+                continue
+            with torch.random.fork_rng(devices=[]):  # a node's RNG is its own
+                try:
+                    if node in self.broken and wire.metadata.message_type == "train":
+                        raise OSError("disk full")
+                    reply = client_app(wire, self.contexts[node])
+                except Exception as err:  # what Flower's runtime does with a ClientApp error
+                    reply = FlowerMessage(Error(code=0, reason=repr(err)), reply_to=wire)
+            self.replies[wire.metadata.message_id] = over_the_wire(reply)
+        return ids
+
+    def pull_messages(self, message_ids: Any) -> list[FlowerMessage]:
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+
+@pytest.fixture
+def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a ServerApp process knows about itself (set by Flower's runtime there)."""
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+
+def deploy_loopback(
+    cfg: ExperimentConfig,
+    out: Path,
+    *,
+    nodes: list[dict[str, Any]] | None = None,
+    silent: tuple[int, ...] = (),
+    broken: tuple[int, ...] = (),
+    **settings: Any,
+) -> LoopbackGrid:
+    configs = nodes or [{"partition-id": i} for i in range(cfg.partition.n_clients)]
+    grid = LoopbackGrid(configs, silent, broken)
+    values = {"round_timeout": 30.0, "node_timeout": 5.0, "poll_interval": 0.01, **settings}
+    run_deployment(grid, cfg, FlowerSettings(config=DEMO, overrides=(), out=out, **values))
+    return grid
+
+
+# ------------------------------------------------------------------------ records
+def test_messages_cross_the_wire_unchanged(task_identity: None) -> None:
+    arrays = {
+        "w": torch.randn(3, 2),
+        "a.bias": torch.tensor([1.5, -2.0], dtype=torch.float64),
+        "count": torch.tensor(7),
+        "mask": torch.tensor([True, False]),
+        "img": torch.arange(6, dtype=torch.uint8).view(2, 3),
+    }
+    scalars = {"n": 3, "loss": 0.25, "ok": True, "name": "x", "v": [1.0, 2.5], "none": []}
+    msg = Message("fit", arrays, scalars)
+    wire = over_the_wire(FlowerMessage(to_content(msg, cid=2, rnd=5), 7, "train"))
+    back, envelope = from_content(wire.content)
+    assert back.task == "fit" and envelope == {"cid": 2, "rnd": 5}
+    assert list(back.arrays) == list(arrays)  # order kept: replies flatten like the simulator's
+    for name, t in arrays.items():
+        assert back.arrays[name].dtype == t.dtype and torch.equal(back.arrays[name], t), name
+    assert back.scalars == scalars
+    assert [type(v) for v in back.scalars.values()] == [type(v) for v in scalars.values()]
+    back.arrays["w"] += 1  # the receiver owns writable memory, not the sender's
+    assert not torch.equal(back.arrays["w"], arrays["w"])
+
+
+def test_a_none_scalar_is_refused_with_its_name() -> None:
+    with pytest.raises(FeddomainError, match="scalar 'lr' is None"):
+        to_content(Message("fit", {}, {"lr": None}))  # type: ignore[dict-item]
+
+
+def test_node_state_and_eval_results_round_trip() -> None:
+    state = RecordDict()
+    assert load_state(state, "k") == Message("state")  # first use: empty
+    kept = Message("state", {"m": torch.ones(2, 2)}, {"steps": 4})
+    store_state(state, "k", kept)
+    got = load_state(state, "k")
+    assert torch.equal(got.arrays["m"], kept.arrays["m"]) and got.scalars == {"steps": 4}
+    probs = torch.tensor([[0.7, 0.3], [0.2, 0.8], [0.6, 0.4]])
+    result = evaluate_probs(probs, torch.tensor([0, 1, 1]))
+    assert result_from_json(result_to_json(result)) == result
+    assert result_from_json(result_to_json(None)) is None
+
+
+def test_run_config_and_node_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="needs 'config'"):
+        FlowerSettings.from_run_config({"out": "x"})
+    with pytest.raises(ConfigError, match="unknown run config keys \\['rounds'\\]"):
+        FlowerSettings.from_run_config({"config": str(DEMO), "out": "x", "rounds": 3})
+    with pytest.raises(ConfigError, match="'min-replies' must be >= 1, got 0"):
+        FlowerSettings.from_run_config({"config": str(DEMO), "out": "x", "min-replies": 0})
+    with pytest.raises(ConfigError, match=r"no file 'missing\.yaml'"):
+        FlowerSettings.from_run_config({"config": "missing.yaml", "out": "x"})
+    relative = FlowerSettings.from_run_config(
+        {"config": "configs/demo.yaml", "out": "x", "overrides": "rounds=2 'split.targets=[a]'"}
+    )
+    assert relative.config == DEMO  # resolved inside the App's folder
+    assert relative.overrides == ("rounds=2", "split.targets=[a]")
+    inline = FlowerSettings.from_run_config(
+        {"config-yaml": "seed: 4\nrounds: 9\n", "out": "x", "overrides": "rounds=3"}
+    )
+    assert inline.config is None
+    assert (inline.experiment().seed, inline.experiment().rounds) == (4, 3)
+    broken = FlowerSettings.from_run_config({"config-yaml": "rounds: [", "out": "x"})
+    with pytest.raises(ConfigError, match="'config-yaml' is not valid YAML"):
+        broken.experiment()
+    typo = FlowerSettings.from_run_config({"config-yaml": "roundz: 3", "out": "x"})
+    with pytest.raises(ConfigError, match="unknown key 'roundz'; did you mean 'rounds'"):
+        typo.experiment()
+    with pytest.raises(ConfigError, match="--node-config 'partition-id=N'"):
+        node_partition({}, 3)
+    with pytest.raises(ConfigError, match=r"'partition-id'=3 .* valid ids are 0\.\.2"):
+        node_partition({"partition-id": 3}, 3)
+
+
+# ----------------------------------------------------------------- loopback parity
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_on_flower_equals_the_simulator(
+    method: str, tmp_path: Path, task_identity: None
+) -> None:
+    """Same config and seed: identical server state, metrics.jsonl and summary (all exact)."""
+    cheap = {"hfedf_ae_embed": ["algorithm.ae_epochs=2"]}  # its autoencoder: 50 epochs
+    cfg = demo_config(f"algorithm.name={method}", *cheap.get(method, []))
+    sim = simulate(cfg, tmp_path / "sim")
+    grid = deploy_loopback(cfg, tmp_path / "flower")
+    out = tmp_path / "flower"
+    # per-client state lives in each node's Context.state, under its own client only
+    for node, context in grid.contexts.items():
+        cid = 0 if METHODS[method].pooled else node - 100
+        kept = load_state(context.state, f"feddomain.split0.client{cid}")
+        assert set(context.state) <= {
+            f"feddomain.split0.client{cid}.{k}" for k in ("arrays", "scalars")
+        }
+        assert_same_state(kept.arrays, sim.states[cid].arrays)
+    assert_same_state(
+        torch.load(out / "server_state.pt", weights_only=False), sim.server.state_dict()
+    )
+    assert records(out) == records(tmp_path / "sim")
+    summary = json.loads((out / "summary.json").read_text())
+    reference = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert summary.pop("runner") == "flower" and summary.pop("lost_clients") == []
+    summary.pop("wall_time_s"), reference.pop("wall_time_s")
+    assert summary == reference
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["topology.stations=2", "topology.station_rounds=2"],  # station tier in the ServerApp
+        ["topology.sample_fraction=0.67", "rounds=3"],  # 2 of 3 clients per round
+    ],
+    ids=["stations", "sampling"],
+)
+def test_topologies_on_flower_equal_the_simulator(
+    overrides: list[str], tmp_path: Path, task_identity: None
+) -> None:
+    cfg = demo_config(*overrides)
+    sim = simulate(cfg, tmp_path / "sim")
+    grid = deploy_loopback(cfg, tmp_path / "flower")
+    assert_same_state(torch.load(tmp_path / "flower" / "server_state.pt"), sim.server.state_dict())
+    assert records(tmp_path / "flower") == records(tmp_path / "sim")
+    trained = sorted((node - 100, int(g)) for node, kind, g in grid.received if kind == "train")
+    expected = [(c, r + 1) for r, units in enumerate(sim.schedule) for c in _clients(sim, units)]
+    assert trained == sorted(expected * cfg.topology.station_rounds)
+
+
+def test_a_leave_one_domain_out_config_runs_every_split_like_feddomain_run(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Two targets: one run directory per split, each equal to `feddomain run`'s."""
+    cfg = demo_config("split.targets=[grey,sketch]", "rounds=1")
+    reference = run_experiment(cfg, tmp_path / "sim", quiet=True)
+    deploy_loopback(cfg, tmp_path / "flower")
+    assert [d.name for d in reference] == ["lodo-grey", "lodo-sketch"]
+    for run_dir in reference:
+        deployed = tmp_path / "flower" / run_dir.name
+        assert records(deployed) == records(run_dir)
+        assert yaml.safe_load((deployed / "config.yaml").read_text()) == cfg.to_dict()
+    with pytest.raises(FeddomainError, match="already holds files"):
+        deploy_loopback(cfg, tmp_path / "flower")
+
+
+def _clients(sim: Simulation, units: list[int]) -> list[int]:
+    if sim.data.stations is None:
+        return units
+    return [int(c) for s in units for c in sim.data.stations[s]]
+
+
+# ------------------------------------------------------------------- tolerance
+def fedavg_by_hand(cfg: ExperimentConfig, clients: list[int], rounds: int) -> dict:
+    """FedAvg over the given clients only: the simulator's client step for each, then the plain
+    sample-weighted mean — what a round that lost the other clients must produce."""
+    dataset = load_experiment_dataset(cfg)
+    (split,) = experiment_splits(cfg, dataset)
+    sim = Simulation(cfg, build_federated_data(cfg, dataset, split), Path("."))
+    model = sim.server.global_arrays
+    for rnd in range(1, rounds + 1):
+        model, _ = weighted_mean(sim._run_client(c, rnd, Message("fit", model)) for c in clients)
+    return model
+
+
+def test_a_silent_node_is_dropped_after_the_timeout_and_named(
+    tmp_path: Path, task_identity: None
+) -> None:
+    cfg = demo_config()
+    out = tmp_path / "flower"
+    deploy_loopback(cfg, out, silent=(1,), round_timeout=0.5, min_replies=2)
+    lost = json.loads((out / "summary.json").read_text())["lost_clients"]
+    assert [(e["round"], e["task"], e["client"], e["reason"]) for e in lost] == [
+        (1, "train", 1, "no reply within 0.5 s"),
+        (2, "train", 1, "no reply within 0.5 s"),
+        (2, "evaluate", 1, "it timed out earlier in this round"),  # one timeout per round
+    ]
+    log = (out / "flower.log").read_text()
+    assert "round 2 (train): lost client 1 (SuperNode 101): no reply within 0.5 s" in log
+    assert len(records(out)[-1]["per_client"]["id_acc"]) == 2  # clients 0 and 2 were scored
+    # each round closed with the two replies that arrived
+    final = torch.load(out / "server_state.pt")["global"]
+    assert_same_state(final, fedavg_by_hand(cfg, [0, 2], rounds=2))
+
+
+def test_a_failing_client_is_named_with_its_error(tmp_path: Path, task_identity: None) -> None:
+    cfg = demo_config()
+    out = tmp_path / "flower"
+    deploy_loopback(cfg, out, broken=(2,))
+    lost = json.loads((out / "summary.json").read_text())["lost_clients"]
+    assert [(e["round"], e["task"], e["client"]) for e in lost] == [
+        (1, "train", 2),
+        (2, "train", 2),
+    ]
+    assert lost[0]["reason"] == "its node failed: OSError('disk full')"
+    assert_same_state(
+        torch.load(out / "server_state.pt")["global"], fedavg_by_hand(cfg, [0, 1], rounds=2)
+    )
+    assert len(records(out)[-1]["per_client"]["id_acc"]) == 3  # it still evaluates
+
+
+def test_too_few_replies_stop_the_run_with_the_missing_clients(
+    tmp_path: Path, task_identity: None
+) -> None:
+    with pytest.raises(
+        FeddomainError, match=r"fewer than min-replies=3; no reply from clients \[1\]"
+    ):
+        deploy_loopback(
+            demo_config(), tmp_path / "flower", silent=(1,), round_timeout=0.2, min_replies=3
+        )
+
+
+def test_misconfigured_nodes_are_refused_by_name(tmp_path: Path, task_identity: None) -> None:
+    cfg = demo_config()
+    twice = [{"partition-id": 0}, {"partition-id": 0}, {"partition-id": 2}]
+    with pytest.raises(FeddomainError, match="SuperNodes 100 and 101 both hold client 0"):
+        deploy_loopback(cfg, tmp_path / "a", nodes=twice)
+    outside = [{"partition-id": 0}, {"partition-id": 5}, {"partition-id": 2}]
+    with pytest.raises(FeddomainError, match=r"SuperNode 101 cannot serve this run: .*valid ids"):
+        deploy_loopback(cfg, tmp_path / "b", nodes=outside)
+    missing = [{"partition-id": 0}, {"partition-id": 2}]
+    with pytest.raises(FeddomainError, match=r"hold clients \[0, 2\] of 3"):
+        deploy_loopback(cfg, tmp_path / "c", nodes=missing, node_timeout=0.5)
+
+
+# -------------------------------------------------------------------- processes
+def make_tls(folder: Path) -> TLSFiles:
+    """A throw-away CA and a SuperLink certificate for 127.0.0.1, as PEM files."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def certificate(subject: str, issuer: str, key: Any, signer: Any, ca: bool) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, server_key = (
+        ec.generate_private_key(ec.SECP384R1()),
+        ec.generate_private_key(ec.SECP384R1()),
+    )
+    files = TLSFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key")
+    ca = certificate("feddomain test CA", "feddomain test CA", ca_key, ca_key, ca=True)
+    server = certificate("127.0.0.1", "feddomain test CA", server_key, ca_key, ca=False)
+    files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return files
+
+
+def make_node_keys(folder: Path, n: int) -> list[Path]:
+    """SuperNode authentication keys (NIST P-384, OpenSSH format): ``nodeI`` + ``nodeI.pub``."""
+    keys = []
+    for i in range(n):
+        key = ec.generate_private_key(ec.SECP384R1())
+        path = folder / f"node{i}"
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.OpenSSH,
+                serialization.NoEncryption(),
+            )
+        )
+        path.with_suffix(".pub").write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+        )
+        keys.append(path)
+    return keys
+
+
+def submit(fed: LocalFederation, out: Path, *overrides: str, **run_config: Any) -> None:
+    """``flwr run`` the App on ``fed`` with the demo config and BASE + ``overrides``."""
+    values = {
+        "config": str(DEMO),
+        "overrides": " ".join(repr(o) for o in [*BASE, *overrides]),
+        "out": str(out),
+        "round-timeout": 120.0,
+        "node-timeout": 120.0,
+        **run_config,
+    }
+    res = fed.submit(values, timeout=420, name=out.name)
+    log = (fed.workdir / f"{out.name}.log").read_text(errors="replace")
+    assert res.returncode == 0, log[-4000:]
+    assert (out / "summary.json").is_file(), log[-4000:]
+
+
+def assert_deployed_equals_simulated(out: Path, sim: Simulation, sim_dir: Path) -> None:
+    """Final server state (FedAvg's global model, hFedF's hypernetwork) within 1e-5 of the
+    simulator's; the evaluated metrics equal."""
+    deployed = torch.load(out / "server_state.pt", weights_only=False)
+    assert_same_state(deployed, sim.server.state_dict(), tol=1e-5)
+    assert records(out) == records(sim_dir)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        assert (out / name).is_file()
+
+
+@pytest.fixture(scope="module")
+def insecure_federation(tmp_path_factory: pytest.TempPathFactory):
+    """A SuperLink and 3 SuperNodes on 127.0.0.1 without TLS, shared by the tests below (the
+    kill test comes last: it takes one node away)."""
+    with LocalFederation(3, tmp_path_factory.mktemp("insecure")) as fed:
+        yield fed
+    assert session_members(fed.sessions) == []  # nothing it started is left running
+
+
+@pytest.mark.slow
+def test_deployed_fedavg_equals_the_simulator(
+    insecure_federation: LocalFederation, tmp_path: Path
+) -> None:
+    sim = simulate(demo_config(), tmp_path / "sim")
+    out = insecure_federation.workdir / "fedavg"
+    submit(insecure_federation, out)
+    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
+    # `feddomain report` reads the deployed run as it reads the simulated one
+    (deployed,), (simulated,) = (build_report([d]).runs for d in (out, tmp_path / "sim"))
+    assert deployed.algorithm == simulated.algorithm == "fedavg"
+    assert deployed.records == [
+        {**r, "time": deployed.records[i]["time"]} for i, r in enumerate(simulated.records)
+    ]
+
+
+@pytest.mark.slow
+def test_deployed_with_tls_and_node_authentication_equals_the_simulator(tmp_path: Path) -> None:
+    """TLS from certificate files made here, SuperNodes admitted by registered keys; hFedF."""
+    tls = make_tls(tmp_path)
+    keys = make_node_keys(tmp_path, 3)
+    sim = simulate(demo_config("algorithm.name=hfedf"), tmp_path / "sim")
+    with LocalFederation(3, tmp_path / "fed", tls=tls, node_keys=keys) as fed:
+        out = fed.workdir / "hfedf"
+        submit(fed, out, "algorithm.name=hfedf")
+        assert "insecure" not in fed.flwr_home.joinpath("config.toml").read_text()
+    assert session_members(fed.sessions) == []
+    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
+
+
+@pytest.mark.slow
+def test_a_supernode_killed_in_round_2_is_named_and_the_run_finishes(
+    insecure_federation: LocalFederation,
+) -> None:
+    fed = insecure_federation
+    out = fed.workdir / "killed"
+    node_log = fed.nodes[1].log
+    seen = len(node_log.read_text(errors="replace"))  # earlier runs' lines do not count
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(submit, fed, out, **{"round-timeout": 15.0, "min-replies": 2})
+        deadline = time.monotonic() + 300
+        while "ROUND 2]" not in node_log.read_text(errors="replace")[seen:]:
+            assert not run.done(), "the run ended before round 2 reached node 1"
+            assert time.monotonic() < deadline, "round 2 never reached node 1"
+            time.sleep(0.05)
+        fed.kill_node(1)
+        run.result(timeout=420)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and records(out)[-1]["round"] == 2
+    lost = {(e["round"], e["client"]) for e in summary["lost_clients"]}
+    assert (2, 1) in lost and {c for _, c in lost} == {1}
+    assert "lost client 1 (SuperNode" in (out / "flower.log").read_text()
