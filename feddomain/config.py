@@ -83,6 +83,7 @@ class TrainConfig(Section):
     lr: float = Field(1e-3, gt=0.0)
     momentum: float = Field(0.0, ge=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float | None = Field(None, gt=0.0)  # max gradient L2 norm per step; None: off
     augment: AugmentSection = Field(default_factory=AugmentSection)
     # per-channel normalisation; None keeps inputs in [0, 1] (hFedF's protocol)
     mean: tuple[float, float, float] | None = None

@@ -250,3 +250,13 @@ def test_frozen_mode_refuses_augmentation():
     cfg = tiny_config(model__frozen=True, train__augment={"hflip": True})
     with pytest.raises(ConfigError, match="frozen-backbone mode"):
         tiny_federation(cfg)
+
+
+def test_gradient_clipping_bounds_each_sgd_step(tmp_path):
+    # plain SGD with lr 1: one step moves the parameters by exactly the (clipped) gradient
+    cfg = tiny_config(rounds=1, train__lr=1.0, train__batch_size=10_000, train__grad_clip=1e-3)
+    sim = run_sim(cfg, tmp_path / "clip", tiny_federation(cfg))
+    init = sim.server.ctx.model_factory().state_dict()
+    moved = torch.sqrt(sum((sim.server.global_arrays[k] - init[k]).pow(2).sum() for k in init))
+    # each client's single full-batch step has norm <= 1e-3; their weighted mean too
+    assert 0 < float(moved) <= 1e-3 + 1e-7

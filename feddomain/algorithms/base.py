@@ -78,6 +78,7 @@ class ClientContext:
     local_epochs: int
     batch_size: int
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    grad_clip: float | None = None
 
     def fit(
         self,
@@ -99,6 +100,7 @@ class ClientContext:
             generator=self.generator,
             loss_fn=loss_fn,
             regularizer=regularizer,
+            grad_clip=self.grad_clip,
         )
 
 

@@ -225,6 +225,7 @@ class Simulation:
             local_epochs=self.cfg.train.local_epochs,
             batch_size=self.cfg.train.batch_size,
             make_optimizer=self.make_optimizer,
+            grad_clip=self.cfg.train.grad_clip,
         )
 
     def _collect(self) -> None:

@@ -36,8 +36,10 @@ def train_epochs(
     generator: torch.Generator,
     loss_fn: LossFn = cross_entropy_loss,
     regularizer: Callable[[], torch.Tensor] | None = None,
+    grad_clip: float | None = None,
 ) -> TrainStats:
-    """Plain minibatch training; ``regularizer()`` is added to every batch loss (e.g. FedProx)."""
+    """Plain minibatch training; ``regularizer()`` is added to every batch loss (e.g. FedProx);
+    ``grad_clip`` bounds each step's gradient L2 norm (pFedHN's reference code clips to 50)."""
     model.train()
     steps, examples = 0, 0
     loss_sum = torch.zeros(())
@@ -48,6 +50,8 @@ def train_epochs(
                 loss = loss + regularizer()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
             loss_sum += loss.detach()
             steps += 1
