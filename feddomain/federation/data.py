@@ -42,9 +42,6 @@ class ClientData:
                 x, y = self.inputs[idx], self.labels[idx]
             yield (self.transform(x, generator) if self.transform else x), y
 
-    def with_transform(self, transform: Transform | None) -> ClientData:
-        return ClientData(self.inputs, self.labels, transform)
-
     @staticmethod
     def concat(parts: list[ClientData]) -> ClientData:
         return ClientData(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SAMPLING, CLIENT_TRAIN, SERVER, INIT, EVAL = range(5)
+SAMPLING, CLIENT_TRAIN, SERVER, INIT = range(4)
 
 
 def derive_seed(seed: int, *keys: int) -> int:
