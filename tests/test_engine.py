@@ -4,6 +4,7 @@ stations, determinism."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -118,16 +119,19 @@ class _EchoAndTamper(ClientAlgorithm):
         return reply
 
 
-@pytest.fixture
-def tamper_method():
-    spec = register(MethodSpec("_tamper", FedAvgServer, _EchoAndTamper, FedAvgHparams))
-    yield spec
-    del METHODS[spec.name]
+@contextmanager
+def temporary_method(name, server, client):
+    """Register a test-only method for the duration of a ``with`` block."""
+    register(MethodSpec(name, server, client, FedAvgHparams))
+    try:
+        yield
+    finally:
+        del METHODS[name]
 
 
-def test_client_cannot_touch_server_state_and_nan_update_is_rejected(tmp_path, tamper_method):
-    cfg = tiny_config(rounds=2, algorithm="_tamper")
-    sim = run_sim(cfg, tmp_path / "t")
+def test_client_cannot_touch_server_state_and_nan_update_is_rejected(tmp_path):
+    with temporary_method("_tamper", FedAvgServer, _EchoAndTamper):
+        sim = run_sim(tiny_config(rounds=2, algorithm="_tamper"), tmp_path / "t")
     initial = sim.server.ctx.model_factory().state_dict()
     assert set(sim.server.global_arrays) == set(initial)
     for name, value in initial.items():
@@ -213,18 +217,12 @@ class _Echo(ClientAlgorithm):
         return Message("fit", {}, dict(msg.scalars))
 
 
-@pytest.fixture
-def sequential_method():
-    spec = register(MethodSpec("_sequential", _SequentialServer, _Echo, FedAvgHparams))
-    yield spec
-    del METHODS[spec.name]
-
-
-def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path, sequential_method):
-    cfg = tiny_config(rounds=2, algorithm="_sequential")
-    sim = Simulation(cfg, tiny_federation(cfg), tmp_path)
-    sim._round(1)
-    sim._round(2)
+def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path):
+    with temporary_method("_sequential", _SequentialServer, _Echo):
+        cfg = tiny_config(rounds=2, algorithm="_sequential")
+        sim = Simulation(cfg, tiny_federation(cfg), tmp_path)
+        sim._round(1)
+        sim._round(2)
     assert sim.server.seen == [(0, 0), (1, 1), (2, 2), (0, 3), (1, 4), (2, 5)]
 
 

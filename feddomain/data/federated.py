@@ -23,11 +23,9 @@ from feddomain.data.sources import load_dataset, official_split_indices
 from feddomain.data.splits import DomainSplit, few_shot, holdout, leave_one_domain_out, parse_scheme
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
-from feddomain.federation.topology import INIT, derive_seed
+from feddomain.federation.topology import FEW_SHOT, INIT, VAL_SPLIT, derive_seed
 from feddomain.models import build_model, input_normalization
 from feddomain.models.frozen import FrozenFeatures
-
-VAL_STREAM, FEW_SHOT_STREAM = 101, 102
 
 
 @dataclass
@@ -191,7 +189,7 @@ def _client_indices(
     groups = [dataset.indices_of(d) for d in split.train]
     parts = partition(p.name, groups, p.n_clients, seed=seed, **params[p.name])
     pairs = [
-        holdout(part, cfg.split.val_fraction, seed=derive_seed(seed, VAL_STREAM, cid))
+        holdout(part, cfg.split.val_fraction, seed=derive_seed(seed, VAL_SPLIT, cid))
         for cid, part in enumerate(parts)
     ]
     return [tr for tr, _ in pairs], [va for _, va in pairs]
@@ -212,7 +210,7 @@ def _add_few_shot(
             labels[idx],
             cfg.split.few_shot,
             len(out),
-            seed=derive_seed(cfg.seed, FEW_SHOT_STREAM, j),
+            seed=derive_seed(cfg.seed, FEW_SHOT, j),
             per_class=cfg.split.few_shot_per_class,
         )
         out = [np.concatenate([p, s]) for p, s in zip(out, shots, strict=True)]

@@ -33,6 +33,7 @@ from feddomain.data.federated import FederatedData
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
 from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
+from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
 from feddomain.federation.topology import (
     CLIENT_TRAIN,
@@ -237,8 +238,7 @@ class Simulation:
     def evaluate(self) -> dict[str, Any]:
         """id accuracy per client on its own validation split with the model it would use; ood
         accuracy of the same models on every target domain. One shared model is scored once."""
-        bs = self.cfg.eval.batch_size
-        by_model: dict[int, dict[str, EvalResult]] = {}
+        by_model: dict[int, tuple[dict[str, EvalResult], dict[str, EvalResult]]] = {}
         keep = []  # hold references so id() stays unique while grouping
         id_results: list[EvalResult | None] = []
         ood_per_client: list[dict[str, EvalResult]] = []
@@ -249,24 +249,26 @@ class Simulation:
             keep.append(arrays)
             set_arrays(self.model, arrays)
             val = self.data.val[cid]
-            id_results.append(
-                evaluate_probs(predict_probs(self.model, val, bs), val.labels) if len(val) else None
-            )
+            id_results.append(self.score(val) if len(val) else None)
             if id(arrays) not in by_model:
-                by_model[id(arrays)] = {
-                    **{
-                        ("ood", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
-                        for d, s in self.data.targets.items()
-                    },
-                    **{
-                        ("val", d): evaluate_probs(predict_probs(self.model, s, bs), s.labels)
-                        for d, s in self.data.ood_val.items()
-                    },
-                }
-            results = by_model[id(arrays)]
-            ood_per_client.append({d: r for (k, d), r in results.items() if k == "ood"})
-            ood_val_per_client.append({d: r for (k, d), r in results.items() if k == "val"})
+                by_model[id(arrays)] = self.score_held_out()
+            ood, ood_val = by_model[id(arrays)]
+            ood_per_client.append(ood)
+            ood_val_per_client.append(ood_val)
         return _summarise_eval(id_results, ood_per_client, ood_val_per_client, len(by_model))
+
+    def score(self, data: ClientData) -> EvalResult:
+        """Metrics of the model now loaded in the shared model object, on ``data``."""
+        return evaluate_probs(
+            predict_probs(self.model, data, self.cfg.eval.batch_size), data.labels
+        )
+
+    def score_held_out(self) -> tuple[dict[str, EvalResult], dict[str, EvalResult]]:
+        """The loaded model on every held-out domain: (test domains, validation domains)."""
+        return (
+            {d: self.score(s) for d, s in self.data.targets.items()},
+            {d: self.score(s) for d, s in self.data.ood_val.items()},
+        )
 
     # ------------------------------------------------------------------ outputs
     def summary(self, wall_time: float) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 SAMPLING, CLIENT_TRAIN, SERVER, INIT = range(4)
+VAL_SPLIT, FEW_SHOT = 101, 102  # data-layer draws: per-client validation split, few-shot picks
 
 
 def derive_seed(seed: int, *keys: int) -> int:

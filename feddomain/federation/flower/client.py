@@ -30,8 +30,6 @@ from feddomain.data.federated import (
     load_experiment_dataset,
 )
 from feddomain.errors import ConfigError
-from feddomain.evaluation.metrics import EvalResult, evaluate_probs
-from feddomain.federation.data import ClientData
 from feddomain.federation.flower.records import (
     ENVELOPE,
     from_content,
@@ -44,7 +42,7 @@ from feddomain.federation.flower.records import (
 from feddomain.federation.flower.settings import node_overrides, node_partition
 from feddomain.federation.messages import Message
 from feddomain.federation.simulation import Simulation
-from feddomain.federation.training import predict_probs, set_arrays
+from feddomain.federation.training import set_arrays
 
 app = ClientApp()
 
@@ -93,17 +91,13 @@ class NodeRunner:
         ctx = sim._context(cid, 0, torch.Generator())
         arrays = sim.client.eval_arrays(offered, ctx)
         set_arrays(sim.model, arrays)
-        bs = self.cfg.eval.batch_size
-
-        def score(data: ClientData) -> EvalResult:
-            return evaluate_probs(predict_probs(sim.model, data, bs), data.labels)
-
         val = sim.data.val[cid]
+        ood, held_out_val = sim.score_held_out()
         return {
             "own": arrays is not offered,
-            "id": result_to_json(score(val) if len(val) else None),
-            "ood": results_to_json({d: score(s) for d, s in sim.data.targets.items()}),
-            "val": results_to_json({d: score(s) for d, s in sim.data.ood_val.items()}),
+            "id": result_to_json(sim.score(val) if len(val) else None),
+            "ood": results_to_json(ood),
+            "val": results_to_json(held_out_val),
         }
 
     def describe(self, cid: int) -> dict[str, Any]:
