@@ -1,4 +1,4 @@
-"""Command line: ``feddomain demo | run | report | data describe | data partition``.
+"""Command line: ``feddomain demo | run | report | data describe | partition | export | flower``.
 
 Every user-facing failure is a ``FeddomainError`` whose message names the file, key or value at
 fault; ``main`` prints it on one line and exits with status 2 instead of a traceback.
@@ -86,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("overrides", nargs="*")
     part.add_argument("--out", type=Path, default=None, help="CSV file to write")
     part.set_defaults(func=cmd_partition)
+    exp = dsub.add_parser(
+        "export", help="write a config's clients as site folders (rehearse a sites deployment)"
+    )
+    exp.add_argument("config", type=Path)
+    exp.add_argument("overrides", nargs="*")
+    exp.add_argument("--out", type=Path, required=True, help="new folder for the sites")
+    exp.set_defaults(func=cmd_export)
     add_flower_commands(sub)
     return p
 
@@ -125,22 +132,17 @@ def run_experiment(
     several); returns the run directories. Data problems surface before any training."""
     import torch
 
-    from feddomain.data.federated import (
-        build_federated_data,
-        experiment_splits,
-        load_experiment_dataset,
-    )
+    from feddomain.data.federated import federations
     from feddomain.federation.simulation import Simulation
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    dataset = load_experiment_dataset(cfg)
-    splits = experiment_splits(cfg, dataset)
-    feds = [(s, build_federated_data(cfg, dataset, s)) for s in splits]
+    feds = federations(cfg)
     out.mkdir(parents=True, exist_ok=True)
     _write_config(out, cfg)
     run_dirs = []
-    for split, fed in feds:
+    for fed in feds:
+        split = fed.split
         run_dir = out if len(feds) == 1 else out / split.name
         run_dirs.append(run_dir)
         if (run_dir / "summary.json").exists():
@@ -289,18 +291,29 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
 
 def cmd_partition(args: argparse.Namespace) -> None:
-    from feddomain.data.federated import (
-        build_federated_data,
-        experiment_splits,
-        load_experiment_dataset,
-    )
+    from feddomain.data.federated import federations
     from feddomain.data.partitioners.table import render_tables
 
     cfg = load_config(args.config, args.overrides)
-    dataset = load_experiment_dataset(cfg)
-    for split in experiment_splits(cfg, dataset):
-        fed = build_federated_data(cfg, dataset, split)
+    for fed in federations(cfg):
         render_tables(fed, console=Console(width=120), csv_path=args.out)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from feddomain.data.export import export_sites
+
+    cfg = load_config(args.config, args.overrides)
+    done = export_sites(cfg, args.out)
+    console = Console()
+    for i, (site, n) in enumerate(zip(done.sites, done.counts, strict=True)):
+        console.print(f"client {i}: {n} images in {site}")
+    console.print(f"target set: {done.target}\nsites config: {done.config}")
+    console.print(
+        "one machine:  feddomain run " + str(done.config) + "\n"
+        "SuperNode i:  flower-supernode ... --node-config "
+        f'\'partition-id=i site-root="{done.sites[0].parent.resolve()}/site<i>" '
+        f'target-root="{done.target.resolve()}"\''
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from feddomain.errors import ConfigError
 
@@ -29,6 +36,9 @@ class DatasetConfig(Section):
     resolution: int = Field(32, ge=8, le=512)
     cache_dir: str | None = None
     skip_corrupt: bool = False
+    # Label order for site data (partition `sites`), whose folders may each lack some classes;
+    # None: the dataset's preset classes, else the class folders found.
+    classes: list[str] | None = None
 
 
 class SplitConfig(Section):
@@ -41,14 +51,34 @@ class SplitConfig(Section):
     official_lists: bool = False
     few_shot: int = Field(0, ge=0)
     few_shot_per_class: bool = True
+    # partition `sites`: folder <domain>/<class>/<image> holding the `targets` domains (on
+    # Flower, a SuperNode's `target-root`)
+    target_root: str | None = None
 
 
 class PartitionConfig(Section):
-    name: Literal["domains_per_client", "lambda", "dirichlet"] = "domains_per_client"
+    # "sites": no partitioning; client i's data is its own folder (`sites[i]` here, a SuperNode's
+    # `site-root` on Flower), each <domain>/<class>/<image>
+    name: Literal["domains_per_client", "lambda", "dirichlet", "sites"] = "domains_per_client"
     n_clients: int = Field(3, ge=1)
     d: int = Field(1, ge=1)
     lam: float = Field(0.1, ge=0.0, le=1.0)
     alpha: float = Field(1.0, gt=0.0)
+    sites: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _clients_from_sites(self) -> PartitionConfig:
+        if self.sites is None:
+            return self
+        if self.name != "sites":
+            raise ValueError(f"'sites' lists client folders for name 'sites', not {self.name!r}")
+        if "n_clients" not in self.model_fields_set:
+            object.__setattr__(self, "n_clients", len(self.sites))  # no re-validation loop
+        elif self.n_clients != len(self.sites):
+            raise ValueError(
+                f"n_clients={self.n_clients} but 'sites' lists {len(self.sites)} folder(s)"
+            )
+        return self
 
 
 class TopologyConfig(Section):
@@ -132,6 +162,31 @@ class ExperimentConfig(Section):
     def _algorithm_from_name(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
 
+    @model_validator(mode="after")
+    def _site_options(self) -> ExperimentConfig:
+        sites = self.partition.name == "sites"
+        if not sites:
+            for key, value in (
+                ("dataset.classes", self.dataset.classes),
+                ("split.target_root", self.split.target_root),
+            ):
+                if value is not None:
+                    raise ValueError(f"{key} applies to partition 'sites' only")
+            return self
+        s = self.split
+        unsupported = [
+            ("split.scheme", s.scheme != "lodo", "the sites' folders fix the source domains"),
+            ("split.official_lists", s.official_lists, "sites hold their own files"),
+            ("split.few_shot", s.few_shot > 0, "target samples do not live on the sites"),
+            ("dataset.root", self.dataset.root is not None, "use partition.sites"),
+        ]
+        if not s.targets:
+            raise ValueError("partition 'sites' needs split.targets: the unseen domain(s)")
+        for key, bad, why in unsupported:
+            if bad:
+                raise ValueError(f"{key} cannot be set with partition 'sites': {why}")
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -197,6 +252,9 @@ def _explain(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{key}'{_suggest(e['loc'])}")
+        elif e["type"] == "value_error":  # a check across keys: its message names them
+            where = f"'{key}': " if key else ""
+            lines.append(f"  {where}{e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,11 +38,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from feddomain.algorithms import METHODS
 from feddomain.cli import run_experiment
 from feddomain.config import ExperimentConfig, load_config
-from feddomain.data.federated import (
-    build_federated_data,
-    experiment_splits,
-    load_experiment_dataset,
-)
+from feddomain.data.export import SiteExport, export_sites
+from feddomain.data.federated import federations
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.evaluation.metrics import evaluate_probs
 from feddomain.evaluation.report import build_report
@@ -71,13 +69,33 @@ def demo_config(*overrides: str) -> ExperimentConfig:
 
 def simulate(cfg: ExperimentConfig, out: Path) -> Simulation:
     """The reference: the in-process simulator on the same config."""
-    dataset = load_experiment_dataset(cfg)
-    (split,) = experiment_splits(cfg, dataset)
+    (data,) = federations(cfg)
     out.mkdir(parents=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    sim = Simulation(cfg, build_federated_data(cfg, dataset, split), out)
+    sim = Simulation(cfg, data, out)
     sim.run()
     return sim
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> SiteExport:
+    """The demo federation written as site folders, one per client, plus the target set."""
+    return export_sites(demo_config(), tmp_path_factory.mktemp("sites") / "export")
+
+
+def site_nodes(export: SiteExport, without_target: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """Node configs of real sites: each names only its own folder (and the target set)."""
+    return [
+        {"partition-id": i, "site-root": str(site)}
+        | ({} if i in without_target else {"target-root": str(export.target)})
+        for i, site in enumerate(export.sites)
+    ]
+
+
+def sites_config(export: SiteExport, *overrides: str, server: bool = False) -> ExperimentConfig:
+    """The exported sites config; the ServerApp's copy names no folder (``server``)."""
+    hidden = ["partition.sites=null", "split.target_root=null"] if server else []
+    return load_config(export.config, [*BASE, *hidden, *overrides])
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -340,6 +358,66 @@ def test_a_leave_one_domain_out_config_runs_every_split_like_feddomain_run(
         deploy_loopback(cfg, tmp_path / "flower")
 
 
+@pytest.mark.parametrize("method", ["fedavg", "local", "hfedf"])
+def test_sites_holding_only_their_own_folders_equal_the_simulator(
+    method: str, sites: SiteExport, tmp_path: Path, task_identity: None
+) -> None:
+    """Real sites: the ServerApp's config names no folder, each node only its own; the run
+    equals the simulator given every folder (server state, metrics and summary, exactly)."""
+    sim = simulate(sites_config(sites, f"algorithm.name={method}"), tmp_path / "sim")
+    cfg = sites_config(sites, f"algorithm.name={method}", server=True)
+    deploy_loopback(cfg, tmp_path / "flower", nodes=site_nodes(sites))
+    out = tmp_path / "flower"
+    assert_same_state(torch.load(out / "server_state.pt"), sim.server.state_dict())
+    assert records(out) == records(tmp_path / "sim")
+    summary = json.loads((out / "summary.json").read_text())
+    reference = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    for key in ("runner", "lost_clients", "wall_time_s"):
+        summary.pop(key)
+    reference.pop("wall_time_s")
+    assert summary == reference
+
+
+def test_a_site_without_the_target_set_is_scored_in_distribution_only(
+    sites: SiteExport, tmp_path: Path, task_identity: None
+) -> None:
+    """Local-only: client 2 keeps its own model and has no target set, so it has no ood
+    number and the ood mean is over clients 0 and 1; FedAvg's one shared model is scored by
+    a node that has the target set, so every number equals the simulator's."""
+    simulate(sites_config(sites, "algorithm.name=local"), tmp_path / "sim")
+    cfg = sites_config(sites, "algorithm.name=local", server=True)
+    deploy_loopback(cfg, tmp_path / "local", nodes=site_nodes(sites, without_target=(2,)))
+    deployed, simulated = records(tmp_path / "local")[-1], records(tmp_path / "sim")[-1]
+    ood = simulated["per_client"]["ood_acc"]
+    assert deployed["per_client"]["ood_acc"] == [ood[0], ood[1], None]
+    assert deployed["ood_acc"] == pytest.approx((ood[0] + ood[1]) / 2, abs=1e-12)
+    assert deployed["per_client"]["id_acc"] == simulated["per_client"]["id_acc"]
+    simulate(sites_config(sites), tmp_path / "sim-fedavg")
+    deploy_loopback(
+        sites_config(sites, server=True), tmp_path / "fedavg", nodes=site_nodes(sites, (0, 2))
+    )
+    assert records(tmp_path / "fedavg") == records(tmp_path / "sim-fedavg")
+
+
+def test_sites_deployments_that_cannot_work_are_refused_by_name(
+    sites: SiteExport, tmp_path: Path, task_identity: None
+) -> None:
+    cfg = sites_config(sites, server=True)
+    with pytest.raises(FeddomainError, match="no SuperNode holds the target set"):
+        deploy_loopback(cfg, tmp_path / "a", nodes=site_nodes(sites, without_target=(0, 1, 2)))
+    with pytest.raises(FeddomainError, match="pools every client's data in one place"):
+        pooled = sites_config(sites, "algorithm.name=central", server=True)
+        deploy_loopback(pooled, tmp_path / "b", nodes=site_nodes(sites))
+    with pytest.raises(FeddomainError, match="this SuperNode has no site folder"):
+        deploy_loopback(cfg, tmp_path / "c")
+    fewer = shutil.copytree(sites.target, tmp_path / "fewer")
+    next((fewer / "grey" / "3").iterdir()).unlink()  # one image short of the others' copy
+    nodes = site_nodes(sites)
+    nodes[1]["target-root"] = str(fewer)
+    with pytest.raises(FeddomainError, match=r"hold different target sets \(\{'grey': 1250\}"):
+        deploy_loopback(cfg, tmp_path / "d", nodes=nodes)
+
+
 def _clients(sim: Simulation, units: list[int]) -> list[int]:
     if sim.data.stations is None:
         return units
@@ -350,9 +428,8 @@ def _clients(sim: Simulation, units: list[int]) -> list[int]:
 def fedavg_by_hand(cfg: ExperimentConfig, clients: list[int], rounds: int) -> dict:
     """FedAvg over the given clients only: the simulator's client step for each, then the plain
     sample-weighted mean — what a round that lost the other clients must produce."""
-    dataset = load_experiment_dataset(cfg)
-    (split,) = experiment_splits(cfg, dataset)
-    sim = Simulation(cfg, build_federated_data(cfg, dataset, split), Path("."))
+    (data,) = federations(cfg)
+    sim = Simulation(cfg, data, Path("."))
     model = sim.server.global_arrays
     for rnd in range(1, rounds + 1):
         model, _ = weighted_mean(sim._run_client(c, rnd, Message("fit", model)) for c in clients)
@@ -482,7 +559,8 @@ def make_node_keys(folder: Path, n: int) -> list[Path]:
 
 
 def submit(fed: LocalFederation, out: Path, *overrides: str, **run_config: Any) -> None:
-    """``flwr run`` the App on ``fed`` with the demo config and BASE + ``overrides``."""
+    """``flwr run`` the App on ``fed`` with the demo config (or ``config=``) and BASE +
+    ``overrides``."""
     values = {
         "config": str(DEMO),
         "overrides": " ".join(repr(o) for o in [*BASE, *overrides]),
@@ -508,10 +586,11 @@ def assert_deployed_equals_simulated(out: Path, sim: Simulation, sim_dir: Path) 
 
 
 @pytest.fixture(scope="module")
-def insecure_federation(tmp_path_factory: pytest.TempPathFactory):
+def insecure_federation(tmp_path_factory: pytest.TempPathFactory, sites: SiteExport):
     """A SuperLink and 3 SuperNodes on 127.0.0.1 without TLS, shared by the tests below (the
-    kill test comes last: it takes one node away)."""
-    with LocalFederation(3, tmp_path_factory.mktemp("insecure")) as fed:
+    kill test comes last: it takes one node away). Node i also names site i's folder and the
+    target set, which only a sites config reads."""
+    with LocalFederation(3, tmp_path_factory.mktemp("insecure"), sites=sites.config.parent) as fed:
         yield fed
     assert session_members(fed.sessions) == []  # nothing it started is left running
 
@@ -530,6 +609,22 @@ def test_deployed_fedavg_equals_the_simulator(
     assert deployed.records == [
         {**r, "time": deployed.records[i]["time"]} for i, r in enumerate(simulated.records)
     ]
+
+
+@pytest.mark.slow
+def test_deployed_sites_with_only_their_own_folders_equal_the_simulator(
+    insecure_federation: LocalFederation, sites: SiteExport, tmp_path: Path
+) -> None:
+    """Real processes: the ServerApp's config names no folder; SuperNode i reads only
+    site<i>/ (its --node-config site-root) and the target set."""
+    sim = simulate(sites_config(sites), tmp_path / "sim")
+    out = insecure_federation.workdir / "sites"
+    hidden = ("partition.sites=null", "split.target_root=null")
+    submit(insecure_federation, out, *hidden, config=str(sites.config))
+    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
+    assert json.loads((out / "summary.json").read_text())["client_domain_counts"] == (
+        sim.data.client_domain_counts.tolist()
+    )
 
 
 @pytest.mark.slow

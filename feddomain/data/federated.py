@@ -19,9 +19,15 @@ from feddomain.data.cache import default_cache_dir
 from feddomain.data.dataset import DomainDataset
 from feddomain.data.partitioners import partition
 from feddomain.data.partitioners.stations import assign_stations
-from feddomain.data.sources import load_dataset, official_split_indices
+from feddomain.data.sources import (
+    get_spec,
+    load_dataset,
+    load_site,
+    official_split_indices,
+    site_classes,
+)
 from feddomain.data.splits import DomainSplit, few_shot, holdout, leave_one_domain_out, parse_scheme
-from feddomain.errors import ConfigError
+from feddomain.errors import ConfigError, DataError
 from feddomain.federation.data import ClientData
 from feddomain.federation.topology import FEW_SHOT, INIT, VAL_SPLIT, derive_seed
 from feddomain.models import build_model, input_normalization
@@ -58,6 +64,21 @@ class FederatedData:
         )
 
 
+def federations(cfg: ExperimentConfig) -> list[FederatedData]:
+    """The federation of every split a config asks for (one per target under
+    leave-one-domain-out; one for a sites federation, whose folders are given in the config)."""
+    if cfg.partition.name == "sites":
+        if not cfg.partition.sites or not cfg.split.target_root:
+            raise ConfigError(
+                "partition 'sites' run on one machine needs partition.sites (one folder per "
+                "client) and split.target_root (the target set); on Flower each SuperNode names "
+                "its own with site-root / target-root"
+            )
+        return [build_site_data(cfg, list(cfg.partition.sites), cfg.split.target_root)]
+    dataset = load_experiment_dataset(cfg)
+    return [build_federated_data(cfg, dataset, s) for s in experiment_splits(cfg, dataset)]
+
+
 def load_experiment_dataset(cfg: ExperimentConfig) -> DomainDataset:
     d = cfg.dataset
     root = Path(d.root).expanduser() if d.root else None
@@ -85,31 +106,19 @@ def experiment_splits(cfg: ExperimentConfig, dataset: DomainDataset) -> list[Dom
 def build_federated_data(
     cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit
 ) -> FederatedData:
-    seed = cfg.seed
     inputs, train_tf, eval_tf = _model_inputs(cfg, dataset)
-    train_parts, val_parts = _client_indices(cfg, dataset, split)
+    train_parts, val_parts = client_indices(cfg, dataset, split)
     target_sets = {d: dataset.indices_of(d) for d in split.test}
     if cfg.split.few_shot:
         train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
 
     def subset(idx: np.ndarray, transform: BatchAugment | None) -> ClientData:
-        index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-        return ClientData(inputs[index].contiguous(), dataset.labels[index].clone(), transform)
+        return _subset(inputs, dataset.labels, idx, transform)
 
     n_domains = len(dataset.domains)
     counts = np.stack(
         [np.bincount(dataset.domain_ids.numpy()[p], minlength=n_domains) for p in train_parts]
     )
-    stations = None
-    if cfg.topology.stations:
-        if cfg.topology.stations > len(train_parts):
-            raise ConfigError(
-                f"topology.stations={cfg.topology.stations} exceeds "
-                f"partition.n_clients={len(train_parts)}"
-            )
-        stations = assign_stations(
-            len(train_parts), cfg.topology.stations, cfg.topology.station_assignment, seed=seed
-        )
     return FederatedData(
         dataset=dataset.name,
         domains=dataset.domains,
@@ -120,7 +129,112 @@ def build_federated_data(
         client_domain_counts=counts,
         targets={d: subset(i, eval_tf) for d, i in target_sets.items()},
         ood_val={d: subset(dataset.indices_of(d), eval_tf) for d in split.val},
-        stations=stations,
+        stations=_stations(cfg, len(train_parts)),
+    )
+
+
+def federation_classes(cfg: ExperimentConfig, roots: list[str]) -> tuple[str, ...]:
+    """The label order of a sites federation: ``dataset.classes``, else the dataset's preset
+    classes (PACS, ...), else the class folders found in ``roots``."""
+    if cfg.dataset.classes:
+        return tuple(cfg.dataset.classes)
+    preset = get_spec(cfg.dataset.name).classes
+    return preset if preset is not None else site_classes(roots)
+
+
+def build_site_data(
+    cfg: ExperimentConfig, sites: list[str | None], target_root: str | None
+) -> FederatedData:
+    """A federation whose clients are sites with their own folders (partition ``sites``).
+
+    ``sites[cid]`` is client ``cid``'s folder, or None where that client's data is elsewhere (on a
+    SuperNode, only its own client's folder is here); such a client gets no samples. Each site
+    holds out ``split.val_fraction`` of its images with the seed the partitioned path uses, so a
+    site's data is the same wherever it is built.
+    """
+    if len(sites) != cfg.partition.n_clients:
+        raise ConfigError(
+            f"partition 'sites' has n_clients={cfg.partition.n_clients} but {len(sites)} site "
+            "folder(s) are given"
+        )
+    present = [s for s in sites if s is not None]
+    classes = federation_classes(cfg, [*present, *([target_root] if target_root else [])])
+    loaded = [None if s is None else _load_site(cfg, s, classes) for s in sites]
+    test = tuple(cfg.split.targets or ())
+    train_domains = sorted({d for ds in loaded if ds is not None for d in ds.domains})
+    domains = tuple(sorted({*train_domains, *test}))
+    parts: dict[int, tuple[ClientData, ClientData]] = {}
+    counts = np.zeros((len(sites), len(domains)), dtype=np.int64)
+    for cid, site in enumerate(loaded):
+        if site is None:
+            continue
+        inputs, train_tf, eval_tf = _model_inputs(cfg, site)
+        tr, va = holdout(
+            np.arange(len(site)), cfg.split.val_fraction, seed=derive_seed(cfg.seed, VAL_SPLIT, cid)
+        )
+        parts[cid] = (
+            _subset(inputs, site.labels, tr, train_tf),
+            _subset(inputs, site.labels, va, eval_tf),
+        )
+        for d, name in enumerate(site.domains):
+            counts[cid, domains.index(name)] = int((site.domain_ids[tr] == d).sum())
+    if not parts:
+        raise ConfigError("partition 'sites' needs at least one site folder (partition.sites)")
+    like = next(iter(parts.values()))[0].inputs
+    empty = ClientData(like.new_empty((0, *like.shape[1:])), torch.empty(0, dtype=torch.int64))
+    train = [parts[cid][0] if cid in parts else empty for cid in range(len(sites))]
+    val = [parts[cid][1] if cid in parts else empty for cid in range(len(sites))]
+    target_sets: dict[str, ClientData] = {}
+    if target_root:
+        target = _load_site(cfg, target_root, classes)
+        missing = sorted(set(test) - set(target.domains))
+        if missing:
+            raise DataError(
+                f"the target set {target_root} has no domain folder(s) {missing} "
+                f"(split.targets); it holds {list(target.domains)}"
+            )
+        inputs, _, eval_tf = _model_inputs(cfg, target)
+        target_sets = {
+            d: _subset(inputs, target.labels, target.indices_of(d), eval_tf) for d in test
+        }
+    return FederatedData(
+        dataset=cfg.dataset.name,
+        domains=domains,
+        classes=classes,
+        split=DomainSplit(tuple(train_domains), (), test),
+        train=train,
+        val=val,
+        client_domain_counts=counts,
+        targets=target_sets,
+        ood_val={},
+        stations=_stations(cfg, len(sites)),
+    )
+
+
+def _load_site(cfg: ExperimentConfig, root: str, classes: tuple[str, ...]) -> DomainDataset:
+    d = cfg.dataset
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else None
+    return load_site(
+        Path(root).expanduser(), classes, d.resolution, cache, skip_corrupt=d.skip_corrupt
+    )
+
+
+def _subset(
+    inputs: torch.Tensor, labels: torch.Tensor, idx: np.ndarray, transform: BatchAugment | None
+) -> ClientData:
+    index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    return ClientData(inputs[index].contiguous(), labels[index].clone(), transform)
+
+
+def _stations(cfg: ExperimentConfig, n_clients: int) -> list[np.ndarray] | None:
+    if not cfg.topology.stations:
+        return None
+    if cfg.topology.stations > n_clients:
+        raise ConfigError(
+            f"topology.stations={cfg.topology.stations} exceeds partition.n_clients={n_clients}"
+        )
+    return assign_stations(
+        n_clients, cfg.topology.stations, cfg.topology.station_assignment, seed=cfg.seed
     )
 
 
@@ -167,7 +281,7 @@ def frozen_features(cfg: ExperimentConfig, dataset: DomainDataset) -> torch.Tens
     )
 
 
-def _client_indices(
+def client_indices(
     cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Partition the source domains over clients, then hold out each client's validation part."""

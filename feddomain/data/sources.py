@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +174,9 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec("digits_embedded", None, None, None, builtin=_load_embedded_digits),
     )
 }
+
+
+SITE = DatasetSpec("site", None, None, None)  # one site's own folder (partition `sites`)
 
 
 def _normalise(name: str) -> str:
@@ -385,6 +388,44 @@ def load_dataset(
             f"{spec.folder or 'its domain folders'})"
         )
     index = scan_image_folder(root, spec)
+    return _load_folder(
+        spec, index, resolution, Path(cache_dir or cache.default_cache_dir()), skip_corrupt
+    )
+
+
+def site_classes(roots: Sequence[PathLike]) -> tuple[str, ...]:
+    """The class folders found under any domain of any of the site folders, sorted."""
+    found: set[str] = set()
+    for root in roots:
+        site = resolve_dataset_dir(root, SITE)
+        for domain in _subfolders(site):
+            found.update(_subfolders(site / domain))
+    return tuple(sorted(found))
+
+
+def load_site(
+    root: PathLike,
+    classes: Sequence[str],
+    resolution: int,
+    cache_dir: PathLike | None = None,
+    *,
+    skip_corrupt: bool = False,
+) -> DomainDataset:
+    """One site's own images, ``<root>/<domain>/<class>/<image>``, labelled in the federation's
+    class order. A site may hold any domains and lack classes (label skew); a class folder the
+    federation does not know is an error, since its images could get no label."""
+    spec = replace(SITE, classes=tuple(classes))
+    site = resolve_dataset_dir(root, spec)
+    for domain in _subfolders(site):
+        unknown = sorted(set(_subfolders(site / domain)) - set(classes))
+        if unknown:
+            raise DataError(
+                f"site folder {site / domain} has class folders {unknown} that are not among "
+                f"the federation's classes {list(classes)} (dataset.classes)"
+            )
+    index = scan_image_folder(site, spec, strict=False)
+    if not len(index):
+        raise DataError(f"site folder {site} holds no images (expected <domain>/<class>/<image>)")
     return _load_folder(
         spec, index, resolution, Path(cache_dir or cache.default_cache_dir()), skip_corrupt
     )

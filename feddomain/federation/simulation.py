@@ -358,18 +358,23 @@ def _summarise_eval(
     ood_val: list[dict[str, EvalResult]],
     distinct_models: int,
 ) -> dict[str, Any]:
-    """Run-level numbers: unweighted means over clients (hFedF §2.5), plus spreads."""
-    domains = list(ood[0])
-    per_client_ood = [float(np.mean([c[d].acc for d in domains])) for c in ood]
-    per_domain = {d: float(np.mean([c[d].acc for c in ood])) for d in domains}
-    worst_name, worst_acc = worst_domain(per_domain)
+    """Run-level numbers: unweighted means over clients (hFedF §2.5), plus spreads. A client
+    with no ood results (a site of a Flower run without the target set) is left out of the ood
+    means; if no client has any, the ood numbers are None."""
+    scored = [c for c in ood if c]
+    domains = list(scored[0]) if scored else []
+    per_client_ood = [float(np.mean([c[d].acc for d in domains])) if c else None for c in ood]
+    ood_accs = [a for a in per_client_ood if a is not None]
+    per_domain = {d: float(np.mean([c[d].acc for c in scored])) for d in domains}
+    worst_name, worst_acc = worst_domain(per_domain) if per_domain else (None, None)
     ids = [r.acc for r in id_results if r is not None]
+    pooled_ood = [c[d] for c in scored for d in domains]
     out: dict[str, Any] = {
         "id_acc": float(np.mean(ids)) if ids else None,
-        "ood_acc": float(np.mean(per_client_ood)),
-        "ood_ece": _mean_over(ood, "ece"),
-        "ood_nll": _mean_over(ood, "nll"),
-        "ood_brier": _mean_over(ood, "brier"),
+        "ood_acc": float(np.mean(ood_accs)) if ood_accs else None,
+        "ood_ece": _mean_over(scored, "ece"),
+        "ood_nll": _mean_over(scored, "nll"),
+        "ood_brier": _mean_over(scored, "brier"),
         "per_domain": per_domain,
         "worst_domain": worst_name,
         "worst_domain_acc": worst_acc,
@@ -377,24 +382,29 @@ def _summarise_eval(
             "id_acc": [r.acc if r else None for r in id_results],
             "ood_acc": per_client_ood,
         },
-        "ood_spread": spread(per_client_ood),
+        "ood_spread": spread(ood_accs) if ood_accs else None,
         "distinct_models": distinct_models,
         "calibration": {
-            "reliability": _pooled_reliability([c[d] for c in ood for d in domains]),
+            "reliability": _pooled_reliability(pooled_ood) if pooled_ood else {},
             "confidence_hist": {
                 "id": _pooled_hist([r for r in id_results if r is not None]),
-                "ood": _pooled_hist([c[d] for c in ood for d in domains]),
+                "ood": _pooled_hist(pooled_ood),
             },
         },
     }
     if ids:
         out["id_spread"] = spread(ids)
-    if ood_val and ood_val[0]:
-        out["ood_val_acc"] = float(np.mean([np.mean([r.acc for r in c.values()]) for c in ood_val]))
+    val_scored = [c for c in ood_val if c]
+    if val_scored:
+        out["ood_val_acc"] = float(
+            np.mean([np.mean([r.acc for r in c.values()]) for c in val_scored])
+        )
     return out
 
 
-def _mean_over(per_client: list[dict[str, EvalResult]], field: str) -> float:
+def _mean_over(per_client: list[dict[str, EvalResult]], field: str) -> float | None:
+    if not per_client:
+        return None
     return float(np.mean([np.mean([getattr(r, field) for r in c.values()]) for c in per_client]))
 
 

@@ -22,10 +22,12 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
+from feddomain.algorithms import get_method
 from feddomain.algorithms.base import Arrays
 from feddomain.config import ExperimentConfig, validate_config
 from feddomain.data.federated import (
     build_federated_data,
+    build_site_data,
     experiment_splits,
     load_experiment_dataset,
 )
@@ -39,7 +41,11 @@ from feddomain.federation.flower.records import (
     store_state,
     to_content,
 )
-from feddomain.federation.flower.settings import node_overrides, node_partition
+from feddomain.federation.flower.settings import (
+    NodeSite,
+    node_overrides,
+    node_partition,
+)
 from feddomain.federation.messages import Message
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.training import set_arrays
@@ -54,17 +60,27 @@ class NodeRunner:
     simulation engine one worker serves many virtual nodes, so it is built once per worker
     and shared; each message names its client."""
 
-    def __init__(self, cfg: ExperimentConfig, split_index: int) -> None:
+    def __init__(self, cfg: ExperimentConfig, split_index: int, site: NodeSite) -> None:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        dataset = load_experiment_dataset(cfg)
-        splits = experiment_splits(cfg, dataset)
-        if not 0 <= split_index < len(splits):
-            raise ConfigError(f"split index {split_index} out of range: {len(splits)} split(s)")
         self.cfg = cfg
-        self.n_splits = len(splits)
         self.split_index = split_index
-        data = build_federated_data(cfg, dataset, splits[split_index])
+        self.sites = cfg.partition.name == "sites"
+        if self.sites and get_method(cfg.algorithm.name).pooled:
+            raise ConfigError(
+                f"{cfg.algorithm.name} pools every client's data in one place, which a sites "
+                "federation never does; run it with `feddomain run` where the data is"
+            )
+        if self.sites:
+            self.n_splits = 1
+            data = build_site_data(cfg, site.folders(cfg), site.targets(cfg))
+        else:
+            dataset = load_experiment_dataset(cfg)
+            splits = experiment_splits(cfg, dataset)
+            self.n_splits = len(splits)
+            if not 0 <= split_index < len(splits):
+                raise ConfigError(f"split index {split_index} out of range: {len(splits)} split(s)")
+            data = build_federated_data(cfg, dataset, splits[split_index])
         # The simulator's client half: model object, client part, contexts, seeding. Its
         # server part is built too (cheap) but never driven here.
         self.sim = Simulation(cfg, data, Path("."))
@@ -101,12 +117,20 @@ class NodeRunner:
         }
 
     def describe(self, cid: int) -> dict[str, Any]:
-        """What the server needs to know about the federation's data, without the data."""
+        """What the server needs to know about the federation's data, without the data. A site
+        also says what it holds itself: its domains' training counts and its target domains."""
         data = self.sim.data
         stations = data.stations or []
+        own = {}
+        if self.sites:
+            row = data.client_domain_counts[cid]
+            own = {d: int(n) for d, n in zip(data.domains, row, strict=True) if n}
         return {
             "cid": cid,
             "serves": cid < data.n_clients,  # a pooled method (Central) uses client 0 only
+            "sites": self.sites,
+            "own_counts": json.dumps(own),
+            "target_sizes": json.dumps({d: len(s) for d, s in data.targets.items()}),
             "n_splits": self.n_splits,
             "n_clients": data.n_clients,
             "dataset": data.dataset,
@@ -126,16 +150,17 @@ _RUNNERS: dict[str, NodeRunner] = {}
 
 
 def node_runner(envelope: dict[str, Any], node_config: dict[str, Any]) -> NodeRunner:
-    """The runner for the message's (config, split), built on first use. Only the latest one
-    is kept, so a worker's memory holds one run's data."""
+    """The runner for the message's (config, split) on this node, built on first use. Only
+    the latest one is kept, so a worker's memory holds one run's data."""
     overrides = node_overrides(node_config)
-    key = json.dumps([envelope["config"], envelope["split"], overrides], sort_keys=True)
+    site = NodeSite(node_config)
+    key = json.dumps([envelope["config"], envelope["split"], overrides, site.key], sort_keys=True)
     if key not in _RUNNERS:
         _RUNNERS.clear()
         raw = json.loads(str(envelope["config"]))
         raw.setdefault("dataset", {}).update(overrides)
         cfg = validate_config(raw, source="config sent by the ServerApp")
-        _RUNNERS[key] = NodeRunner(cfg, int(envelope["split"]))
+        _RUNNERS[key] = NodeRunner(cfg, int(envelope["split"]), site)
     return _RUNNERS[key]
 
 

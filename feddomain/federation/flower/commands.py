@@ -30,6 +30,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     local.add_argument("--workdir", type=Path, default=Path("flower-local"))
     local.add_argument("--tls-dir", type=Path, help="folder with ca.pem, server.pem, server.key")
     local.add_argument("--cold", action="store_true", help="Flower's own executor (no warm fork)")
+    local.add_argument(
+        "--sites",
+        type=Path,
+        help="a `feddomain data export` folder: node i holds only site<i>/ and target/",
+    )
     local.set_defaults(func=cmd_local)
 
     run = fsub.add_parser("run", help="submit an experiment to a SuperLink (flwr run)")
@@ -59,7 +64,16 @@ def cmd_local(args: argparse.Namespace) -> None:
         missing = [str(p) for p in (tls.ca, tls.cert, tls.key) if not p.is_file()]
         if missing:
             raise FeddomainError(f"--tls-dir {args.tls_dir}: missing {', '.join(missing)}")
-    with LocalFederation(args.nodes, args.workdir.resolve(), tls=tls, warm=not args.cold) as fed:
+    if args.sites is not None:
+        missing = [f"site{i}" for i in range(args.nodes) if not (args.sites / f"site{i}").is_dir()]
+        if missing or not (args.sites / "target").is_dir():
+            raise FeddomainError(
+                f"--sites {args.sites}: no folder(s) {missing or ['target']}; write them with "
+                "`feddomain data export CONFIG --out DIR`"
+            )
+    with LocalFederation(
+        args.nodes, args.workdir.resolve(), tls=tls, warm=not args.cold, sites=args.sites
+    ) as fed:
         print(
             f"SuperLink on {fed.host}:{fed.port}, {args.nodes} SuperNodes; logs in {fed.workdir}\n"
             f"submit with: feddomain flower run CONFIG --out DIR --flwr-home {fed.flwr_home}\n"

@@ -24,7 +24,7 @@ from typing import Any
 import tomli_w
 
 from feddomain.errors import FeddomainError
-from feddomain.federation.flower.settings import APP_DIR
+from feddomain.federation.flower.settings import APP_DIR, SITE_ROOT, TARGET_ROOT
 
 CONNECTION = "feddomain-local"
 READY = "feddomain warm executor ready"  # printed by ``warm.py`` once its imports are done
@@ -70,6 +70,7 @@ class LocalFederation:
     node_keys: list[Path] | None = None  # SuperNode private keys (enables node authentication)
     host: str = "127.0.0.1"
     node_config: dict[str, Any] = field(default_factory=dict)  # extra keys for every node
+    sites: Path | None = None  # an export (`feddomain data export`): node i serves site<i>/
     warm: bool = True  # ClientApps forked from a warm process (``warm.py``), not started cold
     superlink: Process | None = None
     executor: Process | None = None
@@ -181,6 +182,9 @@ class LocalFederation:
 
     def supernode_command(self, i: int, runtime_port: int) -> list[str]:
         config = {"partition-id": i, **self.node_config}
+        if self.sites is not None:
+            config[SITE_ROOT] = str((self.sites / f"site{i}").resolve())
+            config[TARGET_ROOT] = str((self.sites / "target").resolve())
         pairs = " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
         cmd = [
             "flower-supernode",

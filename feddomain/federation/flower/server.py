@@ -173,6 +173,8 @@ def discover(link: NodeLink, split_index: int) -> Federation:
             _map_clients(link, infos)
         reference = next(iter(infos.values()), None)
         if reference is not None and len(link.nodes) == reference["n_clients"]:
+            if reference["sites"]:
+                return Federation(_site_shell(reference, infos, link.nodes), 1)
             return Federation(_shell_data(reference), int(reference["n_splits"]))
         if time.monotonic() > deadline:
             wanted = reference["n_clients"] if reference else "?"
@@ -213,19 +215,25 @@ def _describe(
     return out
 
 
-AGREED = ("n_splits", "n_clients", "dataset", "domains", "classes", "train", "val", "test")
-AGREED += ("input_shape", "counts", "stations", "station_sizes")
+# What every node must describe alike: the whole federation's data when each node rebuilds it
+# from the config; only its shape in a sites federation, where each node holds its own folder.
+SHAPE = ("sites", "n_splits", "n_clients", "dataset", "classes", "input_shape", "test")
+SHAPE += ("stations", "station_sizes")
+AGREED = (*SHAPE, "domains", "train", "val", "counts")
 
 
 def _map_clients(link: NodeLink, infos: dict[int, dict[str, Any]]) -> None:
     """Client id -> SuperNode, after checking that every node describes the same data."""
     reference_node, reference = next(iter(infos.items()))
     for node, info in infos.items():
-        for key in AGREED:
+        for key in SHAPE if reference["sites"] else AGREED:
             if info[key] != reference[key]:
+                hint = "give every node the same dataset files"
+                if reference["sites"] and key == "classes":
+                    hint = "list the classes in the config (dataset.classes)"
                 raise FeddomainError(
                     f"SuperNodes {reference_node} and {node} disagree on '{key}' of the data "
-                    f"({reference[key]} vs {info[key]}): give every node the same dataset files"
+                    f"({reference[key]} vs {info[key]}): {hint}"
                 )
         if not info["serves"]:
             continue
@@ -261,6 +269,34 @@ def _shell_data(info: dict[str, Any]) -> FederatedData:
         targets={},
         ood_val={},
         stations=stations,
+    )
+
+
+def _site_shell(
+    reference: dict[str, Any], infos: dict[int, dict[str, Any]], nodes: dict[int, int]
+) -> FederatedData:
+    """The shape of a sites federation, assembled from what each site says it holds."""
+    own = {cid: json.loads(str(infos[node]["own_counts"])) for cid, node in nodes.items()}
+    holders = {n: json.loads(str(i["target_sizes"])) for n, i in infos.items()}
+    holders = {n: sizes for n, sizes in holders.items() if sizes}
+    if not holders:
+        raise FeddomainError(
+            "no SuperNode holds the target set, so no model could be scored on the unseen "
+            "domain(s); give at least one node a target-root"
+        )
+    (first, sizes), *_ = holders.items()
+    for node, other in holders.items():
+        if other != sizes:
+            raise FeddomainError(
+                f"SuperNodes {first} and {node} hold different target sets ({sizes} vs "
+                f"{other} images): give every node that has one the same files"
+            )
+    train = sorted({d for counts in own.values() for d in counts})
+    test = tuple(reference["test"])
+    domains = tuple(sorted({*train, *test}))
+    counts = [own[cid].get(d, 0) for cid in range(len(own)) for d in domains]  # row-major
+    return _shell_data(
+        {**reference, "domains": domains, "train": train, "val": [], "counts": counts}
     )
 
 
@@ -345,17 +381,22 @@ class FlowerRunner(Simulation):
             envelope = {**self._envelope(cid, 0), "has_model": arrays is not None}
             items.append((cid, to_content(msg, **envelope)))
         replies = self.link.exchange(EVALUATE, items, self._rnd)
-        firsts: dict[tuple[str, int], dict[str, Any]] = {}
+        models: dict[int, tuple[str, int]] = {}
+        scored: dict[tuple[str, int], dict[str, Any]] = {}  # model -> first reply scoring it
+        for cid in sorted(replies):
+            reply = dict(replies[cid].config_records[ENVELOPE])
+            model = models[cid] = ("client", cid) if reply["own"] else ("server", id(offers[cid]))
+            if results_from_json(str(reply["ood"])):  # a site without the target set scores none
+                scored.setdefault(model, reply)
         id_results: list[EvalResult | None] = []
         ood, ood_val = [], []
         for cid in sorted(replies):
             reply = dict(replies[cid].config_records[ENVELOPE])
-            model = ("client", cid) if reply["own"] else ("server", id(offers[cid]))
-            first = firsts.setdefault(model, reply)
+            first = scored.get(models[cid], {"ood": "{}", "val": "{}"})
             id_results.append(result_from_json(str(reply["id"])))
             ood.append(results_from_json(str(first["ood"])))
             ood_val.append(results_from_json(str(first["val"])))
-        return _summarise_eval(id_results, ood, ood_val, len(firsts))
+        return _summarise_eval(id_results, ood, ood_val, len(set(models.values())))
 
     def _restore(self) -> int:
         (self.out / "metrics.jsonl").unlink(missing_ok=True)
@@ -408,8 +449,8 @@ def run_deployment(
                 "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs",
                 summary["algorithm"],
                 federation.data.split.name,
-                summary["id_acc"] or float("nan"),
-                summary["ood_acc"],
+                _num(summary["id_acc"]),
+                _num(summary["ood_acc"]),
                 summary["selection"],
                 summary["selected_round"],
                 summary["wall_time_s"],
@@ -421,7 +462,14 @@ def run_deployment(
 
 def _log_progress(rnd: int, record: dict[str, Any] | None) -> None:
     if record is not None:
-        log.info("round %d: id %.3f  ood %.3f", rnd, record["id_acc"] or 0.0, record["ood_acc"])
+        log.info(
+            "round %d: id %.3f  ood %.3f", rnd, _num(record["id_acc"]), _num(record["ood_acc"])
+        )
+
+
+def _num(value: float | None) -> float:
+    """A metric for the log; NaN when it was not measured (no target set reached)."""
+    return float("nan") if value is None else value
 
 
 class _run_log:

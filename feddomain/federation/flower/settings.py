@@ -23,6 +23,8 @@ APP_DIR = Path(feddomain.__file__).resolve().parents[1]
 PARTITION_ID = "partition-id"  # node config: which client of the partition this node holds
 DATA_ROOT = "data-root"  # node config: the node's own copy of the dataset (dataset.root)
 CACHE_DIR = "cache-dir"  # node config: the node's decode cache (dataset.cache_dir)
+SITE_ROOT = "site-root"  # node config, partition `sites`: this node's own data folder
+TARGET_ROOT = "target-root"  # node config, partition `sites`: this node's copy of the target set
 
 
 @dataclass(frozen=True)
@@ -133,3 +135,46 @@ def node_overrides(node_config: Mapping[str, Any]) -> dict[str, Any]:
     if CACHE_DIR in node_config:
         out["cache_dir"] = str(node_config[CACHE_DIR])
     return out
+
+
+@dataclass(frozen=True)
+class NodeSite:
+    """Where a SuperNode of a sites federation (partition ``sites``) keeps its data."""
+
+    node_config: Mapping[str, Any]
+
+    @property
+    def root(self) -> str | None:
+        value = self.node_config.get(SITE_ROOT)
+        return None if value is None else str(value)
+
+    @property
+    def target_root(self) -> str | None:
+        value = self.node_config.get(TARGET_ROOT)
+        return None if value is None else str(value)
+
+    @property
+    def key(self) -> list[Any]:
+        """What the node's data depends on. Without a ``site-root`` every client's folder comes
+        from the config, so one runner serves all the virtual nodes a worker hosts."""
+        holder = self.node_config.get(PARTITION_ID) if self.root else None
+        return [holder, self.root, self.target_root]
+
+    def folders(self, cfg: ExperimentConfig) -> list[str | None]:
+        """Each client's folder as far as this node knows it: its own ``site-root`` only, or,
+        when it has none (virtual nodes of the simulation engine), ``partition.sites``."""
+        n = cfg.partition.n_clients
+        if self.root is None:
+            if not cfg.partition.sites:
+                raise ConfigError(
+                    "this SuperNode has no site folder: start it with --node-config "
+                    "'partition-id=N site-root=\"/path/to/its/data\"' (and target-root for "
+                    "the target set), or list partition.sites in the config"
+                )
+            return list(cfg.partition.sites)
+        folders: list[str | None] = [None] * n
+        folders[node_partition(self.node_config, n)] = self.root
+        return folders
+
+    def targets(self, cfg: ExperimentConfig) -> str | None:
+        return self.target_root or cfg.split.target_root
