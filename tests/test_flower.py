@@ -378,6 +378,18 @@ def test_sites_holding_only_their_own_folders_equal_the_simulator(
     assert summary == reference
 
 
+def test_virtual_nodes_without_a_site_root_read_the_folders_the_config_lists(
+    sites: SiteExport, tmp_path: Path, task_identity: None
+) -> None:
+    """The simulation engine's virtual SuperNodes have only a partition-id: a sites config
+    that lists every folder (partition.sites) runs there as in the simulator."""
+    cfg = sites_config(sites)
+    sim = simulate(cfg, tmp_path / "sim")
+    deploy_loopback(cfg, tmp_path / "flower")
+    assert_same_state(torch.load(tmp_path / "flower" / "server_state.pt"), sim.server.state_dict())
+    assert records(tmp_path / "flower") == records(tmp_path / "sim")
+
+
 def test_a_site_without_the_target_set_is_scored_in_distribution_only(
     sites: SiteExport, tmp_path: Path, task_identity: None
 ) -> None:
@@ -637,6 +649,28 @@ def test_deployed_with_tls_and_node_authentication_equals_the_simulator(tmp_path
         out = fed.workdir / "hfedf"
         submit(fed, out, "algorithm.name=hfedf")
         assert "insecure" not in fed.flwr_home.joinpath("config.toml").read_text()
+    assert session_members(fed.sessions) == []
+    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
+
+
+@pytest.mark.slow
+def test_flower_simulation_engine_equals_the_simulator(tmp_path: Path) -> None:
+    """The same App under Flower's simulation engine (Ray): 3 virtual SuperNodes, one CPU
+    each, as set with --federation-config; every process (Ray's too) stopped afterwards."""
+    sim = simulate(demo_config(), tmp_path / "sim")
+    with LocalFederation(0, tmp_path / "ray", simulation=True, warm=False) as fed:
+        out = fed.workdir / "fedavg"
+        values = {
+            "config": str(DEMO),
+            "overrides": " ".join(repr(o) for o in BASE),
+            "out": str(out),
+            "node-timeout": 120.0,
+        }
+        res = fed.submit(
+            values, federation_config="num-supernodes=3 client-resources-num-cpus=1", name="ray"
+        )
+        log = (fed.workdir / "ray.log").read_text(errors="replace")
+        assert res.returncode == 0 and "3 simulated SuperNodes" in log, log[-4000:]
     assert session_members(fed.sessions) == []
     assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
 

@@ -31,6 +31,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     local.add_argument("--tls-dir", type=Path, help="folder with ca.pem, server.pem, server.key")
     local.add_argument("--cold", action="store_true", help="Flower's own executor (no warm fork)")
     local.add_argument(
+        "--simulation",
+        action="store_true",
+        help="a SuperLink running Flower's simulation engine (Ray) instead of SuperNodes",
+    )
+    local.add_argument(
         "--sites",
         type=Path,
         help="a `feddomain data export` folder: node i holds only site<i>/ and target/",
@@ -71,13 +76,24 @@ def cmd_local(args: argparse.Namespace) -> None:
                 f"--sites {args.sites}: no folder(s) {missing or ['target']}; write them with "
                 "`feddomain data export CONFIG --out DIR`"
             )
+    nodes = 0 if args.simulation else args.nodes
     with LocalFederation(
-        args.nodes, args.workdir.resolve(), tls=tls, warm=not args.cold, sites=args.sites
+        nodes,
+        args.workdir.resolve(),
+        tls=tls,
+        warm=not (args.cold or args.simulation),
+        sites=args.sites,
+        simulation=args.simulation,
     ) as fed:
+        engine = (
+            "--federation-config 'num-supernodes=N client-resources-num-cpus=1' "
+            if args.simulation
+            else ""
+        )
         print(
-            f"SuperLink on {fed.host}:{fed.port}, {args.nodes} SuperNodes; logs in {fed.workdir}\n"
-            f"submit with: feddomain flower run CONFIG --out DIR --flwr-home {fed.flwr_home}\n"
-            "Ctrl-C stops everything.",
+            f"SuperLink on {fed.host}:{fed.port}, {nodes} SuperNodes; logs in {fed.workdir}\n"
+            f"submit with: feddomain flower run CONFIG --out DIR {engine}"
+            f"--flwr-home {fed.flwr_home}\nCtrl-C stops everything.",
             flush=True,
         )
         try:

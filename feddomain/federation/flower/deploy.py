@@ -71,6 +71,7 @@ class LocalFederation:
     host: str = "127.0.0.1"
     node_config: dict[str, Any] = field(default_factory=dict)  # extra keys for every node
     sites: Path | None = None  # an export (`feddomain data export`): node i serves site<i>/
+    simulation: bool = False  # a SuperLink running Flower's simulation engine (Ray), no nodes
     warm: bool = True  # ClientApps forked from a warm process (``warm.py``), not started cold
     superlink: Process | None = None
     executor: Process | None = None
@@ -102,6 +103,11 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
+        if self.simulation and (self.n_nodes or self.warm):
+            raise FeddomainError(
+                "a simulation SuperLink hosts virtual SuperNodes (n_nodes=0) and starts its "
+                "simulation process with Flower's executor (warm=False)"
+            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self.port = free_port(self.host)
@@ -176,6 +182,8 @@ class LocalFederation:
             ]
         if self.node_keys:
             cmd.append("--enable-supernode-auth")
+        if self.simulation:
+            cmd.append("--simulation")
         if self.warm:
             cmd += ["--isolation", "process"]
         return cmd
@@ -257,11 +265,13 @@ class LocalFederation:
         run_config: dict[str, Any],
         *,
         app: Path | None = None,
+        federation_config: str | None = None,
         timeout: float = 600,
         name: str = "run",
     ) -> subprocess.CompletedProcess:
         """``flwr run APP`` with these run-config values, streaming its log until it ends.
-        ``app`` defaults to a staged copy of this App (see ``stage_app``)."""
+        ``app`` defaults to a staged copy of this App (see ``stage_app``);
+        ``federation_config`` sets the simulation engine ('num-supernodes=3 ...')."""
         if app is None:
             app = self.workdir / "app"
             if not app.exists():
@@ -275,6 +285,7 @@ class LocalFederation:
             "--run-config",
             str(overrides),
             "--stream",
+            *(["--federation-config", federation_config] if federation_config else []),
             timeout=timeout,
             name=name,
         )
