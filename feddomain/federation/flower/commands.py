@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,8 @@ def cmd_local(args: argparse.Namespace) -> None:
             f"--flwr-home {fed.flwr_home}\nCtrl-C stops everything.",
             flush=True,
         )
+        # `kill` (SIGTERM) stops everything as Ctrl-C does; a background job ignores SIGINT
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while all(p.popen.poll() is None for p in [fed.superlink, *fed.nodes] if p):
                 time.sleep(1.0)
