@@ -135,6 +135,10 @@ def over_the_wire(msg: FlowerMessage) -> FlowerMessage:
     return out
 
 
+class ServerCrash(Exception):
+    """The ServerApp's process ending mid-run (power cut, OOM kill, Ctrl-C)."""
+
+
 class LoopbackGrid(Grid):
     """Nodes in this process: node ``i`` (id 100+i) holds ``partition-id`` i; ``silent`` nodes
     describe themselves but never answer a task (a machine gone after joining); ``broken``
@@ -145,6 +149,7 @@ class LoopbackGrid(Grid):
         node_configs: list[dict[str, Any]],
         silent: tuple[int, ...] = (),
         broken: tuple[int, ...] = (),
+        crash_in_round: int | None = None,
     ) -> None:
         self.contexts = {
             100 + i: Context(
@@ -154,6 +159,7 @@ class LoopbackGrid(Grid):
         }
         self.silent = {100 + i for i in silent}
         self.broken = {100 + i for i in broken}
+        self.crash_in_round = crash_in_round  # the ServerApp's machine dies sending this round
         self.replies: dict[str, FlowerMessage] = {}
         self.received: list[tuple[int, str, str]] = []  # (node, message type, group id)
 
@@ -176,6 +182,8 @@ class LoopbackGrid(Grid):
     def push_messages(self, messages: Any) -> list[str]:
         ids = []
         for msg in messages:
+            if msg.metadata.group_id == str(self.crash_in_round):
+                raise ServerCrash(f"the ServerApp died in round {self.crash_in_round}")
             wire = over_the_wire(msg)
             node = wire.metadata.dst_node_id
             ids.append(wire.metadata.message_id)
@@ -210,10 +218,11 @@ def deploy_loopback(
     nodes: list[dict[str, Any]] | None = None,
     silent: tuple[int, ...] = (),
     broken: tuple[int, ...] = (),
+    crash_in_round: int | None = None,
     **settings: Any,
 ) -> LoopbackGrid:
     configs = nodes or [{"partition-id": i} for i in range(cfg.partition.n_clients)]
-    grid = LoopbackGrid(configs, silent, broken)
+    grid = LoopbackGrid(configs, silent, broken, crash_in_round)
     values = {"round_timeout": 30.0, "node_timeout": 5.0, "poll_interval": 0.01, **settings}
     run_deployment(grid, cfg, FlowerSettings(config=DEMO, overrides=(), out=out, **values))
     return grid
@@ -428,6 +437,52 @@ def test_sites_deployments_that_cannot_work_are_refused_by_name(
     nodes[1]["target-root"] = str(fewer)
     with pytest.raises(FeddomainError, match=r"hold different target sets \(\{'grey': 1250\}"):
         deploy_loopback(cfg, tmp_path / "d", nodes=nodes)
+
+
+@pytest.mark.parametrize("method", ["local", "fedavg", "hfedf"])
+def test_an_interrupted_deployed_run_resumes_to_the_uninterrupted_result(
+    method: str, tmp_path: Path, task_identity: None
+) -> None:
+    """The ServerApp dies in round 4 after checkpointing round 2 (round 3's client updates
+    already on the nodes). Resumed as a new Flower run (fresh Context.state on every node),
+    it ends exactly as the simulator's uninterrupted run: Local-only's per-client models come
+    back from the nodes' state-dir as of round 2, not round 3."""
+    cfg = demo_config(f"algorithm.name={method}", "rounds=4", "checkpoint.every=2", "eval.every=1")
+    sim = simulate(cfg, tmp_path / "sim")
+    out = tmp_path / "flower"
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(3)]
+    with pytest.raises(ServerCrash):
+        deploy_loopback(cfg, out, nodes=nodes, crash_in_round=4)
+    assert [r["round"] for r in records(out)] == [1, 2, 3]
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 2
+    deploy_loopback(cfg, out, nodes=nodes, resume=True)
+    assert_same_state(torch.load(out / "server_state.pt"), sim.server.state_dict())
+    assert records(out) == records(tmp_path / "sim")
+    summary = json.loads((out / "summary.json").read_text())
+    reference = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    for key in ("runner", "lost_clients", "wall_time_s"):
+        summary.pop(key)
+    reference.pop("wall_time_s")
+    assert summary == reference and not (out / "checkpoint.pt").exists()
+
+
+def test_resuming_state_a_node_did_not_keep_is_refused_by_name(
+    tmp_path: Path, task_identity: None
+) -> None:
+    cfg = demo_config("algorithm.name=local", "rounds=3", "checkpoint.every=1")
+    out = tmp_path / "flower"
+    with pytest.raises(ServerCrash):
+        deploy_loopback(cfg, out, crash_in_round=3)  # the nodes keep no state-dir
+    with pytest.raises(
+        FeddomainError,
+        match=r"after round 2, when client 0 kept state, .*"
+        r"start the node with the 'state-dir'",
+    ):
+        deploy_loopback(cfg, out, resume=True)
+    with pytest.raises(FeddomainError, match="nothing to resume in"):
+        run_deployment(
+            LoopbackGrid([]), cfg, FlowerSettings(None, (), tmp_path / "empty", resume=True)
+        )
 
 
 def _clients(sim: Simulation, units: list[int]) -> list[int]:

@@ -15,14 +15,18 @@ FILENAME = "checkpoint.pt"
 
 
 def save(run_dir: Path, state: dict[str, Any]) -> None:
-    path = run_dir / FILENAME
-    tmp = run_dir / (FILENAME + ".tmp")
+    write_atomic(run_dir / FILENAME, state)
+
+
+def write_atomic(path: Path, state: Any) -> None:
+    """``torch.save`` to ``path`` so that a crash leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         torch.save(state, fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(run_dir, os.O_RDONLY)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -312,19 +312,20 @@ class Simulation:
 
     # --------------------------------------------------------------- checkpoints
     def _save(self, rnd: int, elapsed: float) -> None:
-        checkpoint.save(
-            self.out,
-            {
-                "round": rnd,
-                "server": self.server.state_dict(),
-                "states": [(s.arrays, s.scalars) for s in self.states],
-                "records": self.records,
-                "round_log": self.round_log,
-                "rejected": self.rejected,
-                "bytes": self.bytes,
-                "elapsed": elapsed,
-            },
-        )
+        checkpoint.save(self.out, self._checkpoint(rnd, elapsed))
+
+    def _checkpoint(self, rnd: int, elapsed: float) -> dict[str, Any]:
+        """Everything a resumed run needs to go on exactly as if never stopped."""
+        return {
+            "round": rnd,
+            "server": self.server.state_dict(),
+            "states": [(s.arrays, s.scalars) for s in self.states],
+            "records": self.records,
+            "round_log": self.round_log,
+            "rejected": self.rejected,
+            "bytes": self.bytes,
+            "elapsed": elapsed,
+        }
 
     def _restore(self) -> int:
         """Load the latest checkpoint if there is one; returns the round to start from."""
@@ -332,17 +333,20 @@ class Simulation:
         if state is None:
             (self.out / "metrics.jsonl").unlink(missing_ok=True)
             return 1
-        self.server.load_state_dict(state["server"])
-        self.states = [Message("state", a, s) for a, s in state["states"]]
-        self.records, self.rejected = state["records"], state["rejected"]
-        self.round_log = state["round_log"]
-        self.bytes, self.elapsed = state["bytes"], state["elapsed"]
+        self._load_checkpoint(state)
         # rewrite metrics.jsonl to what the checkpoint knows: later lines are recomputed
         tmp = self.out / "metrics.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         os.replace(tmp, self.out / "metrics.jsonl")
         log.info("resumed %s after round %d", self.out, state["round"])
         return int(state["round"]) + 1
+
+    def _load_checkpoint(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state["server"])
+        self.states = [Message("state", a, s) for a, s in state["states"]]
+        self.records, self.rejected = state["records"], state["rejected"]
+        self.round_log = state["round_log"]
+        self.bytes, self.elapsed = state["bytes"], state["elapsed"]
 
 
 def _then_seed(replies: Iterator[tuple[int, Message]], seed: int) -> Iterator[tuple[int, Message]]:

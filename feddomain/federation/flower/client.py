@@ -31,10 +31,12 @@ from feddomain.data.federated import (
     experiment_splits,
     load_experiment_dataset,
 )
-from feddomain.errors import ConfigError
+from feddomain.errors import ConfigError, FeddomainError
+from feddomain.federation.flower.node_state import StateStore
 from feddomain.federation.flower.records import (
     ENVELOPE,
     from_content,
+    has_state,
     load_state,
     result_to_json,
     results_to_json,
@@ -88,22 +90,27 @@ class NodeRunner:
     def state_key(self, cid: int) -> str:
         return f"feddomain.split{self.split_index}.client{cid}"
 
-    def run(
-        self, cid: int, rnd: int, station_round: int, msg: Message, state: RecordDict
-    ) -> Message:
-        """Carry out one task exactly as the simulator would for this client."""
-        key = self.state_key(cid)
-        self.sim.states[cid] = load_state(state, key)
-        reply = self.sim._run_client(cid, rnd, msg, station_round)
-        store_state(state, key, self.sim.states[cid])
+    def run(self, cid: int, envelope: dict[str, Any], msg: Message, context: Context) -> Message:
+        """Carry out one task exactly as the simulator would for this client; keep its state
+        in the node's ``Context.state`` (and on disk with ``state-dir``)."""
+        rnd = int(envelope["rnd"])
+        self.sim.states[cid] = self._state(cid, envelope, context)
+        reply = self.sim._run_client(cid, rnd, msg, int(envelope["station_round"]))
+        state = self.sim.states[cid]
+        store_state(context.state, self.state_key(cid), state)
+        store = self._store(cid, envelope, context)
+        if store is not None:
+            store.record(rnd, state, int(envelope["checkpoint_round"]))
         return reply
 
-    def evaluate(self, cid: int, offered: Arrays | None, state: RecordDict) -> dict[str, Any]:
+    def evaluate(
+        self, cid: int, envelope: dict[str, Any], offered: Arrays | None, context: Context
+    ) -> dict[str, Any]:
         """Score the model this client would use on its validation split (id) and on every
         held-out domain (ood), as ``Simulation.evaluate`` does for one client. ``own`` says
         whether the client replaced the offered arrays with its own model."""
         sim = self.sim
-        sim.states[cid] = load_state(state, self.state_key(cid))
+        sim.states[cid] = self._state(cid, envelope, context)
         ctx = sim._context(cid, 0, torch.Generator())
         arrays = sim.client.eval_arrays(offered, ctx)
         set_arrays(sim.model, arrays)
@@ -115,6 +122,27 @@ class NodeRunner:
             "ood": results_to_json(ood),
             "val": results_to_json(held_out_val),
         }
+
+    def _state(self, cid: int, envelope: dict[str, Any], context: Context) -> Message:
+        """The client's state: from ``Context.state`` within a Flower run; in the first message
+        of a resumed run, from the node's disk copy as of the checkpoint resumed from."""
+        key = self.state_key(cid)
+        resumed_from = int(envelope["restore_round"])
+        if has_state(context.state, key) or resumed_from < 0:
+            return load_state(context.state, key)
+        store = self._store(cid, envelope, context)
+        saved = store.restore(resumed_from) if store is not None else None
+        if saved is None and envelope["stateful"]:
+            raise FeddomainError(
+                f"the run resumes after round {resumed_from}, when client {cid} kept state, "
+                "but this SuperNode has no copy of it: start the node with the 'state-dir' "
+                "it had when the run began"
+            )
+        return saved or Message("state")
+
+    def _store(self, cid: int, envelope: dict[str, Any], context: Context) -> StateStore | None:
+        node_config = dict(context.node_config)
+        return StateStore.of(node_config, str(envelope["run_key"]), self.split_index, cid)
 
     def describe(self, cid: int) -> dict[str, Any]:
         """What the server needs to know about the federation's data, without the data. A site
@@ -186,10 +214,10 @@ def train(message: FlowerMessage, context: Context) -> FlowerMessage:
     msg, envelope = from_content(message.content)
     runner = node_runner(envelope, dict(context.node_config))
     cid = _client(runner, envelope, context)
-    reply = runner.run(
-        cid, int(envelope["rnd"]), int(envelope["station_round"]), msg, context.state
-    )
-    return FlowerMessage(to_content(reply), reply_to=message)
+    reply = runner.run(cid, envelope, msg, context)
+    state = runner.sim.states[cid]
+    stateful = bool(state.arrays or state.scalars)  # the server notes who must be restored
+    return FlowerMessage(to_content(reply, stateful=stateful), reply_to=message)
 
 
 @app.evaluate()
@@ -198,5 +226,5 @@ def evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     runner = node_runner(envelope, dict(context.node_config))
     cid = _client(runner, envelope, context)
     offered = msg.arrays if envelope["has_model"] else None
-    result = runner.evaluate(cid, offered, context.state)
+    result = runner.evaluate(cid, envelope, offered, context)
     return FlowerMessage(RecordDict({ENVELOPE: ConfigRecord(result)}), reply_to=message)

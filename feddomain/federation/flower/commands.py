@@ -44,8 +44,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     local.set_defaults(func=cmd_local)
 
     run = fsub.add_parser("run", help="submit an experiment to a SuperLink (flwr run)")
-    run.add_argument("config", type=Path)
+    run.add_argument("config", type=Path, nargs="?", help="experiment YAML (not with --resume)")
     run.add_argument("overrides", nargs="*", help="dotted overrides, as for `feddomain run`")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in --out from its checkpoint, with its own config",
+    )
     run.add_argument("--out", type=Path, required=True, help="run directory (on the SuperLink)")
     run.add_argument("--superlink", help="connection name in the Flower config (default: its)")
     run.add_argument("--flwr-home", type=Path, help="Flower home holding that config")
@@ -113,15 +118,24 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     from feddomain.federation.flower.deploy import QUIET_ENV, stage_app
 
-    cfg = load_config(args.config, args.overrides)  # errors surface before anything is sent
     out = args.out.expanduser().resolve()
-    run_config = {
-        "config-yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+    run_config: dict[str, object] = {
         "out": str(out),
         "min-replies": args.min_replies,
         "round-timeout": args.round_timeout,
         "node-timeout": args.node_timeout,
+        "resume": args.resume,
     }
+    if args.resume:
+        if args.config is not None:
+            raise FeddomainError(
+                "--resume continues the run in --out with its own config; omit CONFIG"
+            )
+    elif args.config is None:
+        raise FeddomainError("feddomain flower run needs CONFIG (or --resume --out DIR)")
+    else:
+        cfg = load_config(args.config, args.overrides)  # errors surface before anything is sent
+        run_config["config-yaml"] = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     staging = Path(tempfile.mkdtemp(prefix="feddomain-flower-"))
     overrides_file = staging / "run-config.toml"
     overrides_file.write_text(tomli_w.dumps(run_config))

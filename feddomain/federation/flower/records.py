@@ -76,9 +76,14 @@ def from_content(content: RecordDict) -> tuple[Message, dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- node state
+def has_state(state: RecordDict, key: str) -> bool:
+    """Whether this Flower run has stored the client's state on the node (after its first task)."""
+    return f"{key}.arrays" in state
+
+
 def load_state(state: RecordDict, key: str) -> Message:
     """A client's persistent state from a node's ``Context.state`` (empty on first use)."""
-    if f"{key}.arrays" not in state:
+    if not has_state(state, key):
         return Message("state")
     return Message(
         "state",

@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from flwr.serverapp import Grid, ServerApp
 
 import feddomain
 from feddomain.algorithms.base import Plan, plan_items
-from feddomain.config import ExperimentConfig
+from feddomain.config import ExperimentConfig, load_config
 from feddomain.data.federated import FederatedData
 from feddomain.data.splits import DomainSplit
 from feddomain.errors import FeddomainError
@@ -59,7 +60,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = FlowerSettings.from_run_config(context.run_config)
-    cfg = settings.experiment()
+    cfg = resumed_experiment(settings.out) if settings.resume else settings.experiment()
     console = logging.StreamHandler(sys.stderr)  # shown by `flwr run --stream`
     console.setFormatter(logging.Formatter(LOG_FORMAT))
     log.addHandler(console)
@@ -137,9 +138,14 @@ class NodeLink:
             if pending:
                 time.sleep(self.settings.poll_interval)
         if len(replies) < required:
+            reasons = "; ".join(
+                f"client {e['client']}: {e['reason']}"
+                for e in self.lost
+                if e["round"] == rnd and e["task"] == kind and e["client"] in cids
+            )
             raise FeddomainError(
                 f"{kind} round {rnd}: only {len(replies)} of {len(cids)} clients replied, "
-                f"fewer than min-replies={required}"
+                f"fewer than min-replies={required} ({reasons})"
             )
         return replies
 
@@ -303,7 +309,8 @@ def _site_shell(
 # --------------------------------------------------------------------- runner
 class FlowerRunner(Simulation):
     """The simulator, with clients reached through ``NodeLink``. Per-client state is kept by
-    the nodes; a Flower run does not checkpoint (the nodes' state would not come back)."""
+    the nodes (``Context.state``, and on disk with ``state-dir`` so a resumed run finds it); the
+    ServerApp checkpoints the rest like the simulator."""
 
     def __init__(
         self,
@@ -312,11 +319,17 @@ class FlowerRunner(Simulation):
         out_dir: Path,
         link: NodeLink,
         split_index: int,
+        run_key: str = "",
     ) -> None:
         super().__init__(cfg, data, out_dir, progress=_log_progress)
         self.link = link
         self.split_index = split_index
+        self.run_key = run_key  # names the nodes' state copies; the same when resumed
         self.states = []  # never used here: each node keeps its client's state
+        self.stateful: set[int] = set()  # clients whose last reply said they keep state
+        self.checkpoint_round = -1  # the last round checkpointed (-1: none yet)
+        self.restore_round = -1  # the checkpoint this run resumed from (-1: not resumed)
+        self.restored_stateful: set[int] = set()
         self._replies: dict[int, Message] = {}
         self._rnd = 0
 
@@ -331,6 +344,10 @@ class FlowerRunner(Simulation):
             "station_round": station_round,
             "split": self.split_index,
             "config": self.link.config_json,
+            "run_key": self.run_key,
+            "checkpoint_round": self.checkpoint_round,
+            "restore_round": self.restore_round,
+            "stateful": cid in self.restored_stateful,
         }
 
     def _client_replies(
@@ -355,7 +372,8 @@ class FlowerRunner(Simulation):
             timing["train"] += time.perf_counter() - t0
             for cid, msg in batch:
                 if cid in replies:
-                    self._replies[cid] = from_content(replies[cid])[0]
+                    self._replies[cid], envelope = from_content(replies[cid])
+                    (self.stateful.add if envelope["stateful"] else self.stateful.discard)(cid)
                     yield cid, msg
 
     def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
@@ -398,12 +416,25 @@ class FlowerRunner(Simulation):
             ood_val.append(results_from_json(str(first["val"])))
         return _summarise_eval(id_results, ood, ood_val, len(set(models.values())))
 
-    def _restore(self) -> int:
-        (self.out / "metrics.jsonl").unlink(missing_ok=True)
-        return 1
-
     def _save(self, rnd: int, elapsed: float) -> None:
-        """No checkpoints: clients' state lives on the nodes and would not come back."""
+        """The server's checkpoint; each client's state is kept by its node (``state-dir``),
+        which learns of this checkpoint from the next message's ``checkpoint_round``."""
+        super()._save(rnd, elapsed)
+        self.checkpoint_round = rnd
+
+    def _checkpoint(self, rnd: int, elapsed: float) -> dict[str, Any]:
+        return {
+            **super()._checkpoint(rnd, elapsed),
+            "stateful": sorted(self.stateful),
+            "lost": self.link.lost,
+        }
+
+    def _load_checkpoint(self, state: dict[str, Any]) -> None:
+        super()._load_checkpoint(state)
+        self.checkpoint_round = self.restore_round = int(state["round"])
+        self.stateful = set(state["stateful"])
+        self.restored_stateful = set(self.stateful)
+        self.link.lost = list(state["lost"])
 
     def summary(self, wall_time: float) -> dict[str, Any]:
         out = super().summary(wall_time)
@@ -417,47 +448,86 @@ def run_deployment(
     grid: Grid, cfg: ExperimentConfig, settings: FlowerSettings, *, run_id: int = 0
 ) -> list[Path]:
     """Every split of ``cfg`` over the connected SuperNodes, written like ``feddomain run``
-    writes it: ``out/`` for one split, ``out/<split>/`` for several. Returns the run dirs."""
+    writes it: ``out/`` for one split, ``out/<split>/`` for several. With ``resume``, finished
+    splits are skipped and an interrupted one goes on from its checkpoint. Returns the run dirs."""
     out = settings.out
-    if out.exists() and any(out.iterdir()):
-        raise FeddomainError(f"output directory {out} already holds files; choose a new 'out'")
-    out.mkdir(parents=True, exist_ok=True)
+    if settings.resume:
+        _saved_config(out)
+    else:
+        if out.exists() and any(out.iterdir()):
+            raise FeddomainError(
+                f"output directory {out} already holds files; choose a new 'out', or continue "
+                "it with resume=true"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        _write_run_config(out, cfg, run_id)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    _write_run_config(out, cfg, run_id)
+    run_key = _run_key(out)
     run_dirs: list[Path] = []
-    split_index, n_splits = 0, 1
-    while split_index < n_splits:
+    index, n_splits = 0, 1
+    while index < n_splits:
         link = NodeLink(grid, settings, cfg)
-        federation = discover(link, split_index)
+        federation = discover(link, index)
         n_splits = federation.n_splits
         run_dir = out if n_splits == 1 else out / federation.data.split.name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if run_dir != out:
-            _write_run_config(run_dir, cfg, run_id)
-        with _run_log(run_dir):
-            log.info(
-                "%s %s: clients on SuperNodes %s",
-                cfg.algorithm.name,
-                federation.data.split.name,
-                dict(sorted(link.nodes.items())),
-            )
-            runner = FlowerRunner(cfg, federation.data, run_dir, link, split_index)
-            summary = runner.run()
-            torch.save(runner.server.state_dict(), run_dir / "server_state.pt")
-            log.info(
-                "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs",
-                summary["algorithm"],
-                federation.data.split.name,
-                _num(summary["id_acc"]),
-                _num(summary["ood_acc"]),
-                summary["selection"],
-                summary["selected_round"],
-                summary["wall_time_s"],
-            )
         run_dirs.append(run_dir)
-        split_index += 1
+        if (run_dir / "summary.json").exists():
+            log.info("%s already finished", run_dir)
+        else:
+            if not run_dir.exists():
+                run_dir.mkdir(parents=True)
+                _write_run_config(run_dir, cfg, run_id)
+            runner = FlowerRunner(cfg, federation.data, run_dir, link, index, run_key)
+            _run_split(runner, link)
+        index += 1
     return run_dirs
+
+
+def _run_split(runner: FlowerRunner, link: NodeLink) -> None:
+    name = runner.data.split.name
+    with _run_log(runner.out):
+        log.info(
+            "%s %s: clients on SuperNodes %s",
+            runner.cfg.algorithm.name,
+            name,
+            dict(sorted(link.nodes.items())),
+        )
+        summary = runner.run()
+        torch.save(runner.server.state_dict(), runner.out / "server_state.pt")
+        log.info(
+            "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs",
+            summary["algorithm"],
+            name,
+            _num(summary["id_acc"]),
+            _num(summary["ood_acc"]),
+            summary["selection"],
+            summary["selected_round"],
+            summary["wall_time_s"],
+        )
+
+
+def resumed_experiment(out: Path) -> ExperimentConfig:
+    """The experiment a run directory was started with."""
+    return load_config(_saved_config(out))
+
+
+def _saved_config(out: Path) -> Path:
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        raise FeddomainError(f"nothing to resume in {out}: it has no config.yaml")
+    return saved
+
+
+def _run_key(out: Path) -> str:
+    """The run's identity on the nodes (their state copies live under it): made when the run
+    starts, kept in ``out/flower_run.json`` so a resumed run finds the same copies."""
+    path = out / "flower_run.json"
+    if path.exists():
+        return str(json.loads(path.read_text())["run_key"])
+    key = uuid.uuid4().hex
+    path.write_text(json.dumps({"run_key": key}))
+    return key
 
 
 def _log_progress(rnd: int, record: dict[str, Any] | None) -> None:

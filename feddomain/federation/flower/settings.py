@@ -39,6 +39,7 @@ class FlowerSettings:
     round_timeout: float = 600.0  # ...and this many seconds have passed since it was sent
     node_timeout: float = 300.0  # how long to wait for the SuperNodes holding the clients
     poll_interval: float = 0.2  # seconds between pulls of replies from the SuperLink
+    resume: bool = False  # continue the run in `out` from its checkpoint (its own config)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FlowerSettings:
@@ -51,17 +52,20 @@ class FlowerSettings:
             "round-timeout",
             "node-timeout",
             "poll-interval",
+            "resume",
         }
         unknown = sorted(set(run_config) - known)
         if unknown:
             raise ConfigError(f"unknown run config keys {unknown}; known: {sorted(known)}")
         inline = str(run_config.get("config-yaml", ""))
-        if not (inline or run_config.get("config")) or not run_config.get("out"):
+        resume = bool(run_config.get("resume", False))
+        if not (inline or run_config.get("config") or resume) or not run_config.get("out"):
             raise ConfigError(
                 "the run config needs 'config' (a feddomain YAML) or 'config-yaml', and 'out'"
             )
+        named = not inline and run_config.get("config") and not resume
         settings = cls(
-            config=None if inline else resolve_config_path(str(run_config["config"])),
+            config=resolve_config_path(str(run_config["config"])) if named else None,
             config_yaml=inline,
             overrides=tuple(shlex.split(str(run_config.get("overrides", "")))),
             out=Path(str(run_config["out"])).expanduser(),
@@ -69,6 +73,7 @@ class FlowerSettings:
             round_timeout=float(run_config.get("round-timeout", 600.0)),
             node_timeout=float(run_config.get("node-timeout", 300.0)),
             poll_interval=float(run_config.get("poll-interval", 0.2)),
+            resume=resume,
         )
         if settings.min_replies < 1:
             raise ConfigError(f"run config 'min-replies' must be >= 1, got {settings.min_replies}")
