@@ -32,6 +32,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     local.add_argument("--tls-dir", type=Path, help="folder with ca.pem, server.pem, server.key")
     local.add_argument("--cold", action="store_true", help="Flower's own executor (no warm fork)")
     local.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where the nodes keep their clients' state, so an interrupted run can --resume",
+    )
+    local.add_argument(
         "--simulation",
         action="store_true",
         help="a SuperLink running Flower's simulation engine (Ray) instead of SuperNodes",
@@ -66,6 +71,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def cmd_local(args: argparse.Namespace) -> None:
     from feddomain.federation.flower.deploy import LocalFederation, TLSFiles
+    from feddomain.federation.flower.node_state import STATE_DIR
 
     tls = None
     if args.tls_dir is not None:
@@ -90,6 +96,7 @@ def cmd_local(args: argparse.Namespace) -> None:
         warm=not (args.cold or args.simulation),
         sites=args.sites,
         simulation=args.simulation,
+        node_config={STATE_DIR: str(args.state_dir.resolve())} if args.state_dir else {},
     ) as fed:
         engine = (
             "--federation-config 'num-supernodes=N client-resources-num-cpus=1' "
