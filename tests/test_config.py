@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from feddomain.cli import main
@@ -84,3 +86,12 @@ def test_bad_data_root_fails_before_training_with_a_clear_message(tmp_path, conf
     err = capsys.readouterr().err
     assert "missing" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_every_shipped_config_validates_and_names_its_experiment_uniquely():
+    """A renamed key or a removed option breaks a shipped config only at a user's first run;
+    catch it here. Distinct names keep their runs apart in reports."""
+    paths = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+    names = [load_config(path).name for path in paths]  # raises ConfigError on a bad key
+    assert len(paths) >= 10
+    assert len(set(names)) == len(names), names

@@ -68,12 +68,12 @@ class NodeRunner:
         self.cfg = cfg
         self.split_index = split_index
         self.sites = cfg.partition.name == "sites"
-        if self.sites and get_method(cfg.algorithm.name).pooled:
-            raise ConfigError(
-                f"{cfg.algorithm.name} pools every client's data in one place, which a sites "
-                "federation never does; run it with `feddomain run` where the data is"
-            )
         if self.sites:
+            if get_method(cfg.algorithm.name).pooled:
+                raise ConfigError(
+                    f"{cfg.algorithm.name} pools every client's data in one place, which a sites "
+                    "federation never does; run it with `feddomain run` where the data is"
+                )
             self.n_splits = 1
             data = build_site_data(cfg, site.folders(cfg), site.targets(cfg))
         else:
