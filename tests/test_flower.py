@@ -36,6 +36,7 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.task_identity import TaskIdentity
 
 from feddomain.algorithms import METHODS
+from feddomain.cli import main as cli_main
 from feddomain.cli import run_experiment
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.data.export import SiteExport, export_sites
@@ -676,6 +677,23 @@ def test_deployed_fedavg_equals_the_simulator(
     assert deployed.records == [
         {**r, "time": deployed.records[i]["time"]} for i, r in enumerate(simulated.records)
     ]
+
+
+@pytest.mark.slow
+def test_feddomain_flower_run_reports_a_failed_serverapp_instead_of_exit_0(
+    insecure_federation: LocalFederation, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flwr run` exits 0 whatever became of the run; `feddomain flower run` asks the
+    SuperLink and fails with the ServerApp's own error."""
+    taken = insecure_federation.workdir / "taken"
+    taken.mkdir()
+    (taken / "results.txt").write_text("earlier work")
+    argv = ["flower", "run", str(DEMO), *BASE, "--out", str(taken)]
+    argv += ["--flwr-home", str(insecure_federation.flwr_home)]
+    assert cli_main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "ended as finished:failed" in err and f"output directory {taken} already holds" in err
+    assert (taken / "results.txt").read_text() == "earlier work"
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ Flower or torch at import time, so the CLI stays quick to start.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -156,13 +158,40 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.flwr_home:
         env["FLWR_HOME"] = str(args.flwr_home.resolve())
     try:
-        subprocess.run(cmd, env=env, check=False)
+        run_id = _stream(cmd, env)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    if not list(out.glob("summary.json")) and not list(out.glob("*/summary.json")):
-        # `flwr run` exits 0 even when the ServerApp failed; a remote SuperLink writes there
-        print(
-            f"note: no summary.json under {out} on this machine: if the SuperLink runs here, "
-            "the run failed (see the log above); otherwise the run directory is on its machine",
-            file=sys.stderr,
-        )
+    if run_id is None:
+        raise FeddomainError("flwr run did not start a run (see its output above)")
+    status, details = _run_status(run_id, args.superlink, env)
+    if status != "finished:completed":
+        # `flwr run` exits 0 whatever became of the run; the SuperLink knows
+        raise FeddomainError(f"Flower run {run_id} ended as {status}: {details}")
+
+
+def _stream(cmd: list[str], env: dict[str, str]) -> int | None:
+    """Run ``flwr run --stream``, echoing its output; the id of the run it started."""
+    run_id = None
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            started = re.search(r"Successfully started run (\d+)", line)
+            if started:
+                run_id = int(started.group(1))
+    return run_id
+
+
+def _run_status(run_id: int, superlink: str | None, env: dict[str, str]) -> tuple[str, str]:
+    """(status, details) of a run as the SuperLink reports it, e.g. ``finished:failed``."""
+    cmd = ["flwr", "ls", *([superlink] if superlink else []), "--run-id", str(run_id)]
+    res = subprocess.run(
+        [*cmd, "--format", "json"], env=env, capture_output=True, text=True, check=False
+    )
+    try:
+        (run,) = json.loads(res.stdout)["runs"]
+    except (ValueError, KeyError, TypeError):
+        return "unknown", f"`{' '.join(cmd)}` said: {(res.stdout + res.stderr).strip()[-500:]}"
+    return str(run["status"]), str(run.get("status-details", ""))
