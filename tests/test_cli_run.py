@@ -129,3 +129,15 @@ def test_sigkill_then_resume_matches_uninterrupted_run(
     strip = lambda rec: {k: v for k, v in rec.items() if k != "time"}  # noqa: E731
     assert [strip(r) for r in got_lines] == [strip(r) for r in ref_lines]
     assert not (out / "checkpoint.pt").exists()
+
+
+def test_a_corrupt_checkpoint_is_named_and_nothing_is_overwritten(small_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text(small_config.read_text())
+    (out / "checkpoint.pt").write_bytes(b"\x80\x02 half a pickle")
+    assert main(["run", "--resume", str(out), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{out / 'checkpoint.pt'} cannot be read" in err
+    assert "delete it to restart the run from round 1" in err
+    assert (out / "checkpoint.pt").read_bytes() == b"\x80\x02 half a pickle"

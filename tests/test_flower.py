@@ -105,6 +105,20 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
 
 
+def assert_same_run(out: Path, sim: Simulation, sim_dir: Path) -> None:
+    """A deployed run equal to the simulator's: final server state, every metrics record and
+    the summary, exactly (wall time and the deployment's own summary keys aside)."""
+    assert_same_state(
+        torch.load(out / "server_state.pt", weights_only=False), sim.server.state_dict()
+    )
+    assert records(out) == records(sim_dir)
+    summary = json.loads((out / "summary.json").read_text())
+    reference = json.loads((sim_dir / "summary.json").read_text())
+    assert summary.pop("runner") == "flower"
+    summary.pop("lost_clients"), summary.pop("wall_time_s"), reference.pop("wall_time_s")
+    assert summary == reference
+
+
 def assert_same_state(a: Any, b: Any, tol: float = 0.0, path: str = "state") -> None:
     """Nested server states agree: tensors within ``tol`` (max absolute difference; 0: exact),
     everything else (numbers, names, RNG states) exactly."""
@@ -320,15 +334,8 @@ def test_every_method_on_flower_equals_the_simulator(
             f"feddomain.split0.client{cid}.{k}" for k in ("arrays", "scalars")
         }
         assert_same_state(kept.arrays, sim.states[cid].arrays)
-    assert_same_state(
-        torch.load(out / "server_state.pt", weights_only=False), sim.server.state_dict()
-    )
-    assert records(out) == records(tmp_path / "sim")
-    summary = json.loads((out / "summary.json").read_text())
-    reference = json.loads((tmp_path / "sim" / "summary.json").read_text())
-    assert summary.pop("runner") == "flower" and summary.pop("lost_clients") == []
-    summary.pop("wall_time_s"), reference.pop("wall_time_s")
-    assert summary == reference
+    assert_same_run(out, sim, tmp_path / "sim")
+    assert json.loads((out / "summary.json").read_text())["lost_clients"] == []
 
 
 @pytest.mark.parametrize(
@@ -377,15 +384,7 @@ def test_sites_holding_only_their_own_folders_equal_the_simulator(
     sim = simulate(sites_config(sites, f"algorithm.name={method}"), tmp_path / "sim")
     cfg = sites_config(sites, f"algorithm.name={method}", server=True)
     deploy_loopback(cfg, tmp_path / "flower", nodes=site_nodes(sites))
-    out = tmp_path / "flower"
-    assert_same_state(torch.load(out / "server_state.pt"), sim.server.state_dict())
-    assert records(out) == records(tmp_path / "sim")
-    summary = json.loads((out / "summary.json").read_text())
-    reference = json.loads((tmp_path / "sim" / "summary.json").read_text())
-    for key in ("runner", "lost_clients", "wall_time_s"):
-        summary.pop(key)
-    reference.pop("wall_time_s")
-    assert summary == reference
+    assert_same_run(tmp_path / "flower", sim, tmp_path / "sim")
 
 
 def test_virtual_nodes_without_a_site_root_read_the_folders_the_config_lists(
@@ -457,14 +456,8 @@ def test_an_interrupted_deployed_run_resumes_to_the_uninterrupted_result(
     assert [r["round"] for r in records(out)] == [1, 2, 3]
     assert torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 2
     deploy_loopback(cfg, out, nodes=nodes, resume=True)
-    assert_same_state(torch.load(out / "server_state.pt"), sim.server.state_dict())
-    assert records(out) == records(tmp_path / "sim")
-    summary = json.loads((out / "summary.json").read_text())
-    reference = json.loads((tmp_path / "sim" / "summary.json").read_text())
-    for key in ("runner", "lost_clients", "wall_time_s"):
-        summary.pop(key)
-    reference.pop("wall_time_s")
-    assert summary == reference and not (out / "checkpoint.pt").exists()
+    assert_same_run(out, sim, tmp_path / "sim")
+    assert not (out / "checkpoint.pt").exists()
 
 
 def test_resuming_state_a_node_did_not_keep_is_refused_by_name(

@@ -35,16 +35,19 @@ def write_atomic(path: Path, state: Any) -> None:
 
 def load(run_dir: Path) -> dict[str, Any] | None:
     """The saved state, or None when the run has no checkpoint yet."""
-    path = run_dir / FILENAME
     (run_dir / (FILENAME + ".tmp")).unlink(missing_ok=True)  # a save interrupted mid-write
+    return read(run_dir / FILENAME, "delete it to restart the run from round 1")
+
+
+def read(path: Path, remedy: str) -> Any:
+    """What ``write_atomic`` wrote to ``path``, or None if there is no such file."""
     if not path.exists():
         return None
     try:
         return torch.load(path, weights_only=False)
     except Exception as err:
         raise FeddomainError(
-            f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
-            "delete it to restart the run from round 1"
+            f"{path} cannot be read ({type(err).__name__}: {err}); {remedy}"
         ) from None
 
 

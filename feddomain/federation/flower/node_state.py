@@ -20,9 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from feddomain.errors import FeddomainError
 from feddomain.federation import checkpoint
 from feddomain.federation.messages import Message
 
@@ -65,12 +62,6 @@ class StateStore:
         return None
 
     def _read(self, name: str) -> tuple[int, dict, dict] | None:
-        path = self.folder / name
-        if not path.exists():
-            return None
-        try:
-            return torch.load(path, weights_only=False)
-        except Exception as err:
-            raise FeddomainError(
-                f"client state file {path} cannot be read ({type(err).__name__}: {err})"
-            ) from None
+        return checkpoint.read(
+            self.folder / name, "the run cannot resume with it: start it again without resume"
+        )
