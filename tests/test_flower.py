@@ -460,6 +460,26 @@ def test_an_interrupted_deployed_run_resumes_to_the_uninterrupted_result(
     assert not (out / "checkpoint.pt").exists()
 
 
+def test_a_restart_before_any_checkpoint_never_reads_the_abandoned_attempts_state(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Crash in round 2 before the first checkpoint: the resumed run starts from round 1 under
+    a new run key, so the nodes' copies from the first attempt (rounds 1-2) are never read;
+    crashing again in round 4 and resuming still ends as the uninterrupted run."""
+    cfg = demo_config("algorithm.name=local", "rounds=4", "checkpoint.every=2", "eval.every=1")
+    sim = simulate(cfg, tmp_path / "sim")
+    out = tmp_path / "flower"
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(3)]
+    with pytest.raises(ServerCrash):
+        deploy_loopback(cfg, out, nodes=nodes, crash_in_round=2)
+    assert not (out / "checkpoint.pt").exists()
+    with pytest.raises(ServerCrash):
+        deploy_loopback(cfg, out, nodes=nodes, crash_in_round=4, resume=True)
+    deploy_loopback(cfg, out, nodes=nodes, resume=True)
+    assert_same_run(out, sim, tmp_path / "sim")
+    assert len(list((tmp_path / "node0").iterdir())) == 2  # one key per start from round 1
+
+
 def test_resuming_state_a_node_did_not_keep_is_refused_by_name(
     tmp_path: Path, task_identity: None
 ) -> None:

@@ -128,17 +128,17 @@ class NodeRunner:
         of a resumed run, from the node's disk copy as of the checkpoint resumed from."""
         key = self.state_key(cid)
         resumed_from = int(envelope["restore_round"])
-        if has_state(context.state, key) or resumed_from < 0:
-            return load_state(context.state, key)
+        if has_state(context.state, key) or resumed_from < 0 or not envelope["stateful"]:
+            return load_state(context.state, key)  # empty for a client without state then
         store = self._store(cid, envelope, context)
         saved = store.restore(resumed_from) if store is not None else None
-        if saved is None and envelope["stateful"]:
+        if saved is None:
             raise FeddomainError(
                 f"the run resumes after round {resumed_from}, when client {cid} kept state, "
                 "but this SuperNode has no copy of it: start the node with the 'state-dir' "
                 "it had when the run began"
             )
-        return saved or Message("state")
+        return saved
 
     def _store(self, cid: int, envelope: dict[str, Any], context: Context) -> StateStore | None:
         node_config = dict(context.node_config)

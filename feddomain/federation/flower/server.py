@@ -319,12 +319,13 @@ class FlowerRunner(Simulation):
         out_dir: Path,
         link: NodeLink,
         split_index: int,
-        run_key: str = "",
     ) -> None:
         super().__init__(cfg, data, out_dir, progress=_log_progress)
         self.link = link
         self.split_index = split_index
-        self.run_key = run_key  # names the nodes' state copies; the same when resumed
+        # Names the nodes' copies of their clients' state: new for every start from round 1
+        # (so no copy from an abandoned attempt is ever read), kept in the checkpoint.
+        self.run_key = uuid.uuid4().hex
         self.states = []  # never used here: each node keeps its client's state
         self.stateful: set[int] = set()  # clients whose last reply said they keep state
         self.checkpoint_round = -1  # the last round checkpointed (-1: none yet)
@@ -427,6 +428,7 @@ class FlowerRunner(Simulation):
             **super()._checkpoint(rnd, elapsed),
             "stateful": sorted(self.stateful),
             "lost": self.link.lost,
+            "run_key": self.run_key,
         }
 
     def _load_checkpoint(self, state: dict[str, Any]) -> None:
@@ -435,6 +437,7 @@ class FlowerRunner(Simulation):
         self.stateful = set(state["stateful"])
         self.restored_stateful = set(self.stateful)
         self.link.lost = list(state["lost"])
+        self.run_key = str(state["run_key"])
 
     def summary(self, wall_time: float) -> dict[str, Any]:
         out = super().summary(wall_time)
@@ -463,7 +466,6 @@ def run_deployment(
         _write_run_config(out, cfg, run_id)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run_key = _run_key(out)
     run_dirs: list[Path] = []
     index, n_splits = 0, 1
     while index < n_splits:
@@ -478,7 +480,7 @@ def run_deployment(
             if not run_dir.exists():
                 run_dir.mkdir(parents=True)
                 _write_run_config(run_dir, cfg, run_id)
-            runner = FlowerRunner(cfg, federation.data, run_dir, link, index, run_key)
+            runner = FlowerRunner(cfg, federation.data, run_dir, link, index)
             _run_split(runner, link)
         index += 1
     return run_dirs
@@ -517,17 +519,6 @@ def _saved_config(out: Path) -> Path:
     if not saved.is_file():
         raise FeddomainError(f"nothing to resume in {out}: it has no config.yaml")
     return saved
-
-
-def _run_key(out: Path) -> str:
-    """The run's identity on the nodes (their state copies live under it): made when the run
-    starts, kept in ``out/flower_run.json`` so a resumed run finds the same copies."""
-    path = out / "flower_run.json"
-    if path.exists():
-        return str(json.loads(path.read_text())["run_key"])
-    key = uuid.uuid4().hex
-    path.write_text(json.dumps({"run_key": key}))
-    return key
 
 
 def _log_progress(rnd: int, record: dict[str, Any] | None) -> None:
