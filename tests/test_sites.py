@@ -144,7 +144,9 @@ def test_sites_misconfigurations_are_named(
         load_config(DEMO, ["dataset.classes=[a,b]"])
     with pytest.raises(ConfigError, match=r"needs partition.sites .* and split.target_root"):
         federations(sites_config(export, cache_dir, "split.target_root=null"))
-    with pytest.raises(DataError, match=r"has no domain folder\(s\) \['sketch'\]"):
+    with pytest.raises(DataError, match=r"has no domain folder\(s\) \['paintings'\]"):
+        federations(sites_config(export, cache_dir, "split.targets=[paintings]"))
+    with pytest.raises(ConfigError, match=r"split.targets \['sketch'\] must be unseen"):
         federations(sites_config(export, cache_dir, "split.targets=[sketch]"))
     with pytest.raises(ConfigError, match="already holds files"):
         export_sites(load_config(DEMO, BASE), export.config.parent)

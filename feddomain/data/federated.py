@@ -162,6 +162,12 @@ def build_site_data(
     loaded = [None if s is None else _load_site(cfg, s, classes) for s in sites]
     test = tuple(cfg.split.targets or ())
     train_domains = sorted({d for ds in loaded if ds is not None for d in ds.domains})
+    seen = sorted(set(test) & set(train_domains))
+    if seen:
+        raise ConfigError(
+            f"split.targets {seen} must be unseen, but site folders hold them: remove them from "
+            "the sites or choose other targets"
+        )
     domains = tuple(sorted({*train_domains, *test}))
     parts: dict[int, tuple[ClientData, ClientData]] = {}
     counts = np.zeros((len(sites), len(domains)), dtype=np.int64)
@@ -184,19 +190,6 @@ def build_site_data(
     empty = ClientData(like.new_empty((0, *like.shape[1:])), torch.empty(0, dtype=torch.int64))
     train = [parts[cid][0] if cid in parts else empty for cid in range(len(sites))]
     val = [parts[cid][1] if cid in parts else empty for cid in range(len(sites))]
-    target_sets: dict[str, ClientData] = {}
-    if target_root:
-        target = _load_site(cfg, target_root, classes)
-        missing = sorted(set(test) - set(target.domains))
-        if missing:
-            raise DataError(
-                f"the target set {target_root} has no domain folder(s) {missing} "
-                f"(split.targets); it holds {list(target.domains)}"
-            )
-        inputs, _, eval_tf = _model_inputs(cfg, target)
-        target_sets = {
-            d: _subset(inputs, target.labels, target.indices_of(d), eval_tf) for d in test
-        }
     return FederatedData(
         dataset=cfg.dataset.name,
         domains=domains,
@@ -205,10 +198,26 @@ def build_site_data(
         train=train,
         val=val,
         client_domain_counts=counts,
-        targets=target_sets,
+        targets=_site_targets(cfg, target_root, classes) if target_root else {},
         ood_val={},
         stations=_stations(cfg, len(sites)),
     )
+
+
+def _site_targets(
+    cfg: ExperimentConfig, root: str, classes: tuple[str, ...]
+) -> dict[str, ClientData]:
+    """The ``split.targets`` domains of a target-set folder, one evaluation set each."""
+    target = _load_site(cfg, root, classes)
+    test = list(cfg.split.targets or ())
+    missing = sorted(set(test) - set(target.domains))
+    if missing:
+        raise DataError(
+            f"the target set {root} has no domain folder(s) {missing} (split.targets); it "
+            f"holds {list(target.domains)}"
+        )
+    inputs, _, eval_tf = _model_inputs(cfg, target)
+    return {d: _subset(inputs, target.labels, target.indices_of(d), eval_tf) for d in test}
 
 
 def _load_site(cfg: ExperimentConfig, root: str, classes: tuple[str, ...]) -> DomainDataset:
