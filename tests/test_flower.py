@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,12 @@ from feddomain.errors import ConfigError, FeddomainError
 from feddomain.evaluation.metrics import evaluate_probs
 from feddomain.evaluation.report import build_report
 from feddomain.federation.flower.client import app as client_app
-from feddomain.federation.flower.deploy import LocalFederation, TLSFiles, session_members
+from feddomain.federation.flower.deploy import (
+    CONNECTION,
+    LocalFederation,
+    TLSFiles,
+    session_members,
+)
 from feddomain.federation.flower.records import (
     from_content,
     load_state,
@@ -670,8 +676,10 @@ def assert_deployed_equals_simulated(out: Path, sim: Simulation, sim_dir: Path) 
 def insecure_federation(tmp_path_factory: pytest.TempPathFactory, sites: SiteExport):
     """A SuperLink and 3 SuperNodes on 127.0.0.1 without TLS, shared by the tests below (the
     kill test comes last: it takes one node away). Node i also names site i's folder and the
-    target set, which only a sites config reads."""
-    with LocalFederation(3, tmp_path_factory.mktemp("insecure"), sites=sites.config.parent) as fed:
+    target set, which only a sites config reads, and a state-dir."""
+    workdir = tmp_path_factory.mktemp("insecure")
+    state = {"state-dir": str(workdir / "node-state")}  # the nodes keep client state: resumable
+    with LocalFederation(3, workdir, sites=sites.config.parent, node_config=state) as fed:
         yield fed
     assert session_members(fed.sessions) == []  # nothing it started is left running
 
@@ -707,6 +715,37 @@ def test_feddomain_flower_run_reports_a_failed_serverapp_instead_of_exit_0(
     err = " ".join(capsys.readouterr().err.split())
     assert "ended as finished:failed" in err and f"output directory {taken} already holds" in err
     assert (taken / "results.txt").read_text() == "earlier work"
+
+
+@pytest.mark.slow
+def test_a_stopped_deployed_run_resumes_to_the_uninterrupted_result(
+    insecure_federation: LocalFederation, tmp_path: Path
+) -> None:
+    """Real processes: `flwr stop` ends the ServerApp of a Local-only run in round 3; a new
+    Flower run with resume=true goes on from the last checkpoint, each node restoring its
+    client's model from its state-dir, and ends exactly as the simulator's uninterrupted run."""
+    fed = insecure_federation
+    overrides = ["algorithm.name=local", "rounds=3", "checkpoint.every=1", "eval.every=1"]
+    sim = simulate(demo_config(*overrides), tmp_path / "sim")
+    out = fed.workdir / "stopped"
+    values = {"config": str(DEMO), "overrides": " ".join(repr(o) for o in [*BASE, *overrides])}
+    values |= {"out": str(out), "round-timeout": 120.0, "node-timeout": 120.0}
+    log = fed.workdir / "stopped.log"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(fed.submit, values, timeout=420, name="stopped")
+        deadline = time.monotonic() + 300
+        while "round 2:" not in (text := log.read_text(errors="replace") if log.exists() else ""):
+            assert not first.done() and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.1)
+        run_id = re.search(r"Successfully started run (\d+)", text).group(1)
+        assert fed.flwr("stop", run_id, CONNECTION, name="stop").returncode == 0
+        first.result(timeout=120)
+    assert not (out / "summary.json").exists()
+    kept = torch.load(out / "checkpoint.pt", weights_only=False)["round"]
+    res = fed.submit({"out": str(out), "resume": True}, timeout=420, name="resumed")
+    resumed = (fed.workdir / "resumed.log").read_text(errors="replace")
+    assert res.returncode == 0 and f"resumed {out} after round {kept}" in resumed, resumed[-3000:]
+    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
 
 
 @pytest.mark.slow
