@@ -171,10 +171,15 @@ class LoopbackGrid(Grid):
         silent: tuple[int, ...] = (),
         broken: tuple[int, ...] = (),
         crash_in_round: int | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         self.contexts = {
             100 + i: Context(
-                run_id=1, node_id=100 + i, node_config=c, state=RecordDict(), run_config={}
+                run_id=1,
+                node_id=100 + i,
+                node_config=c,
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
             )
             for i, c in enumerate(node_configs)
         }
@@ -240,10 +245,11 @@ def deploy_loopback(
     silent: tuple[int, ...] = (),
     broken: tuple[int, ...] = (),
     crash_in_round: int | None = None,
+    run_config: dict[str, Any] | None = None,
     **settings: Any,
 ) -> LoopbackGrid:
     configs = nodes or [{"partition-id": i} for i in range(cfg.partition.n_clients)]
-    grid = LoopbackGrid(configs, silent, broken, crash_in_round)
+    grid = LoopbackGrid(configs, silent, broken, crash_in_round, run_config)
     values = {"round_timeout": 30.0, "node_timeout": 5.0, "poll_interval": 0.01, **settings}
     run_deployment(grid, cfg, FlowerSettings(config=DEMO, overrides=(), out=out, **values))
     return grid
@@ -445,23 +451,30 @@ def test_sites_deployments_that_cannot_work_are_refused_by_name(
         deploy_loopback(cfg, tmp_path / "d", nodes=nodes)
 
 
-@pytest.mark.parametrize("method", ["local", "fedavg", "hfedf"])
+@pytest.mark.parametrize(
+    ("method", "kept_by"),
+    [("local", "node"), ("fedavg", "node"), ("hfedf", "node"), ("local", "run")],
+)
 def test_an_interrupted_deployed_run_resumes_to_the_uninterrupted_result(
-    method: str, tmp_path: Path, task_identity: None
+    method: str, kept_by: str, tmp_path: Path, task_identity: None
 ) -> None:
     """The ServerApp dies in round 4 after checkpointing round 2 (round 3's client updates
     already on the nodes). Resumed as a new Flower run (fresh Context.state on every node),
     it ends exactly as the simulator's uninterrupted run: Local-only's per-client models come
-    back from the nodes' state-dir as of round 2, not round 3."""
+    back as of round 2, not round 3, from each node's state-dir (node config) or the run's
+    (run config, as the simulation engine's virtual nodes use)."""
     cfg = demo_config(f"algorithm.name={method}", "rounds=4", "checkpoint.every=2", "eval.every=1")
     sim = simulate(cfg, tmp_path / "sim")
     out = tmp_path / "flower"
     nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(3)]
+    run_config = None
+    if kept_by == "run":
+        nodes, run_config = None, {"state-dir": str(tmp_path / "shared")}
     with pytest.raises(ServerCrash):
-        deploy_loopback(cfg, out, nodes=nodes, crash_in_round=4)
+        deploy_loopback(cfg, out, nodes=nodes, crash_in_round=4, run_config=run_config)
     assert [r["round"] for r in records(out)] == [1, 2, 3]
     assert torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 2
-    deploy_loopback(cfg, out, nodes=nodes, resume=True)
+    deploy_loopback(cfg, out, nodes=nodes, resume=True, run_config=run_config)
     assert_same_run(out, sim, tmp_path / "sim")
     assert not (out / "checkpoint.pt").exists()
 

@@ -141,8 +141,7 @@ class NodeRunner:
         return saved
 
     def _store(self, cid: int, envelope: dict[str, Any], context: Context) -> StateStore | None:
-        node_config = dict(context.node_config)
-        return StateStore.of(node_config, str(envelope["run_key"]), self.split_index, cid)
+        return StateStore.of(context, str(envelope["run_key"]), self.split_index, cid)
 
     def describe(self, cid: int) -> dict[str, Any]:
         """What the server needs to know about the federation's data, without the data. A site

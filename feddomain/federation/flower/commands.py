@@ -54,6 +54,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("config", type=Path, nargs="?", help="experiment YAML (not with --resume)")
     run.add_argument("overrides", nargs="*", help="dotted overrides, as for `feddomain run`")
     run.add_argument(
+        "--state-dir",
+        help="where nodes without their own state-dir keep client state (path on each node)",
+    )
+    run.add_argument(
         "--resume",
         action="store_true",
         help="continue the interrupted run in --out from its checkpoint, with its own config",
@@ -126,6 +130,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     import tomli_w
 
     from feddomain.federation.flower.deploy import QUIET_ENV, stage_app
+    from feddomain.federation.flower.node_state import STATE_DIR
 
     out = args.out.expanduser().resolve()
     run_config: dict[str, object] = {
@@ -134,6 +139,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         "round-timeout": args.round_timeout,
         "node-timeout": args.node_timeout,
         "resume": args.resume,
+        **({STATE_DIR: args.state_dir} if args.state_dir else {}),
     }
     if args.resume:
         if args.config is not None:

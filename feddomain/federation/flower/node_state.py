@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from flwr.app import Context
 
 from feddomain.federation import checkpoint
 from feddomain.federation.messages import Message
 
-STATE_DIR = "state-dir"  # node config: where this node keeps its clients' state between runs
+STATE_DIR = "state-dir"  # node or run config: where client state is kept between runs
 LATEST, AT_CHECKPOINT = "latest.pt", "checkpoint.pt"
 
 
@@ -34,14 +35,14 @@ class StateStore:
     folder: Path
 
     @classmethod
-    def of(
-        cls, node_config: dict[str, Any], run_key: str, split: int, cid: int
-    ) -> StateStore | None:
-        """The store named by the node config, or None when the node keeps no state on disk."""
-        if STATE_DIR not in node_config:
+    def of(cls, context: Context, run_key: str, split: int, cid: int) -> StateStore | None:
+        """The store under the node's ``state-dir`` (node config), else the run's (run config:
+        for the simulation engine's virtual nodes, which have no node config of their own);
+        None when neither names one."""
+        root = context.node_config.get(STATE_DIR) or context.run_config.get(STATE_DIR)
+        if not root:
             return None
-        root = Path(str(node_config[STATE_DIR])).expanduser()
-        return cls(root / run_key / f"split{split}" / f"client{cid}")
+        return cls(Path(str(root)).expanduser() / run_key / f"split{split}" / f"client{cid}")
 
     def record(self, rnd: int, state: Message, checkpoint_round: int) -> None:
         """Keep the state after a task of round ``rnd``."""

@@ -53,6 +53,7 @@ class FlowerSettings:
             "node-timeout",
             "poll-interval",
             "resume",
+            "state-dir",  # read by the nodes (node_state.py), not here
         }
         unknown = sorted(set(run_config) - known)
         if unknown:
