@@ -1,11 +1,13 @@
 """The ClientApp: one SuperNode's share of a feddomain run.
 
-A node rebuilds the run's data from the config the ServerApp sends (dataset, split, seeded
-partition — the same code as ``feddomain run``) and serves the client whose ``partition-id`` its
-node config names. It executes tasks through the simulator's own client path
-(``Simulation._run_client``: the same seeding from (seed, purpose, round, client), the same copies),
-so a deployed client trains exactly as a simulated one. The client's persistent state lives in
-the node's ``Context.state`` between messages, never in the server.
+A node serves the client whose ``partition-id`` its node config names. It rebuilds that client's
+data from the config the ServerApp sends (dataset, split, seeded partition — the same code as
+``feddomain run``), or, in a sites federation, reads it from its own ``site-root``. It executes
+tasks through the simulator's own client path (``Simulation._run_client``: the same seeding from
+(seed, purpose, round, client), the same copies), so a deployed client trains exactly as a
+simulated one. The client's persistent state lives in
+the node's ``Context.state`` between messages (and on its disk with ``state-dir``: see
+``node_state``), never in the server.
 
 Message types: ``query`` (describe the data this node holds), ``train`` (any task of the method:
 "fit", "collect", ...; the task name travels in the envelope) and ``evaluate``.

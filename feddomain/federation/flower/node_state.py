@@ -1,17 +1,14 @@
 """A SuperNode's copy of its client's state on disk, so that a resumed run goes on exactly.
 
 Flower keeps a ClientApp's state in ``Context.state`` for one Flower run, and a run resumed from
-the ServerApp's checkpoint is a new Flower run. With ``state-dir`` in its node config, a node
-also writes its client's state to ``<state-dir>/<run key>/split<k>/client<cid>/`` after every
-task (atomically), in two files:
+the ServerApp's checkpoint is a new Flower run. With a ``state-dir`` (node config, else run
+config), a node also writes its client's state after every task, atomically, to
+``<state-dir>/<run key>/split<k>/client<cid>/state-<round>.pt``: the state after that round.
 
-- ``latest.pt``: the state after the client's last task (and the round it ran in);
-- ``checkpoint.pt``: the state as of the ServerApp's last checkpoint.
-
-Each message says which round the ServerApp last checkpointed (``checkpoint_round``). Before a
-task overwrites ``latest.pt``, a ``latest.pt`` from that round or earlier is the state as of the
-checkpoint and is kept as ``checkpoint.pt``. A run resumed from round ``c`` needs the state as of
-``c``: ``latest.pt`` if it is no newer than ``c``, else ``checkpoint.pt``.
+The state as of round ``c`` is the file with the highest round ``<= c``. Each message says which
+round the ServerApp last checkpointed (``checkpoint_round``), so after writing a new file the
+node keeps only it and the state as of that checkpoint; a run resumed from round ``c`` reads the
+state as of ``c``. The round is in the file name, so deciding what to keep reads no file.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from feddomain.federation import checkpoint
 from feddomain.federation.messages import Message
 
 STATE_DIR = "state-dir"  # node or run config: where client state is kept between runs
-LATEST, AT_CHECKPOINT = "latest.pt", "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -47,22 +43,28 @@ class StateStore:
     def record(self, rnd: int, state: Message, checkpoint_round: int) -> None:
         """Keep the state after a task of round ``rnd``."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        previous = self._read(LATEST)
-        if previous is not None and previous[0] <= checkpoint_round:
-            kept = self._read(AT_CHECKPOINT)
-            if kept is None or kept[0] < previous[0]:
-                checkpoint.write_atomic(self.folder / AT_CHECKPOINT, previous)
-        checkpoint.write_atomic(self.folder / LATEST, (rnd, state.arrays, state.scalars))
+        saved = self._saved()
+        as_of_checkpoint = max((r for r in saved if r <= checkpoint_round), default=None)
+        checkpoint.write_atomic(self._path(rnd), (state.arrays, state.scalars))
+        for r, path in saved.items():
+            if r not in (rnd, as_of_checkpoint):
+                path.unlink()
 
     def restore(self, checkpoint_round: int) -> Message | None:
         """The state as of the end of ``checkpoint_round``, or None if none was kept."""
-        for name in (LATEST, AT_CHECKPOINT):
-            saved = self._read(name)
-            if saved is not None and saved[0] <= checkpoint_round:
-                return Message("state", saved[1], saved[2])
-        return None
-
-    def _read(self, name: str) -> tuple[int, dict, dict] | None:
-        return checkpoint.read(
-            self.folder / name, "the run cannot resume with it: start it again without resume"
+        kept = [r for r in self._saved() if r <= checkpoint_round]
+        if not kept:
+            return None
+        arrays, scalars = checkpoint.read(
+            self._path(max(kept)), "the run cannot resume with it: start it again without resume"
         )
+        return Message("state", arrays, scalars)
+
+    def _path(self, rnd: int) -> Path:
+        return self.folder / f"state-{rnd}.pt"
+
+    def _saved(self) -> dict[int, Path]:
+        """The kept states by round, from the file names alone."""
+        if not self.folder.is_dir():
+            return {}
+        return {int(p.stem.removeprefix("state-")): p for p in self.folder.glob("state-*.pt")}

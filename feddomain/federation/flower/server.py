@@ -37,7 +37,6 @@ from feddomain.config import ExperimentConfig, load_config
 from feddomain.data.federated import FederatedData
 from feddomain.data.splits import DomainSplit
 from feddomain.errors import FeddomainError
-from feddomain.evaluation.metrics import EvalResult
 from feddomain.federation.data import ClientData
 from feddomain.federation.flower.client import DESCRIBE, EVALUATE, TRAIN
 from feddomain.federation.flower.records import (
@@ -400,22 +399,26 @@ class FlowerRunner(Simulation):
             envelope = {**self._envelope(cid, 0), "has_model": arrays is not None}
             items.append((cid, to_content(msg, **envelope)))
         replies = self.link.exchange(EVALUATE, items, self._rnd)
-        models: dict[int, tuple[str, int]] = {}
-        scored: dict[tuple[str, int], dict[str, Any]] = {}  # model -> first reply scoring it
-        for cid in sorted(replies):
-            reply = dict(replies[cid].config_records[ENVELOPE])
-            model = models[cid] = ("client", cid) if reply["own"] else ("server", id(offers[cid]))
-            if results_from_json(str(reply["ood"])):  # a site without the target set scores none
-                scored.setdefault(model, reply)
-        id_results: list[EvalResult | None] = []
-        ood, ood_val = [], []
-        for cid in sorted(replies):
-            reply = dict(replies[cid].config_records[ENVELOPE])
-            first = scored.get(models[cid], {"ood": "{}", "val": "{}"})
-            id_results.append(result_from_json(str(reply["id"])))
-            ood.append(results_from_json(str(first["ood"])))
-            ood_val.append(results_from_json(str(first["val"])))
-        return _summarise_eval(id_results, ood, ood_val, len(set(models.values())))
+        decoded = {cid: dict(replies[cid].config_records[ENVELOPE]) for cid in sorted(replies)}
+        models = {
+            cid: ("client", cid) if r["own"] else ("server", id(offers[cid]))
+            for cid, r in decoded.items()
+        }
+        held_out: dict[tuple[str, int], tuple[dict, dict]] = {}  # model -> first scores of it
+        for cid, reply in decoded.items():
+            if models[cid] in held_out:
+                continue
+            targets = results_from_json(str(reply["ood"]))
+            if targets:  # a site without the target set scores none
+                held_out[models[cid]] = (targets, results_from_json(str(reply["val"])))
+        id_results = [result_from_json(str(r["id"])) for r in decoded.values()]
+        per_client = [held_out.get(models[cid], ({}, {})) for cid in decoded]
+        return _summarise_eval(
+            id_results,
+            [ood for ood, _ in per_client],
+            [val for _, val in per_client],
+            len(set(models.values())),
+        )
 
     def _save(self, rnd: int, elapsed: float) -> None:
         """The server's checkpoint; each client's state is kept by its node (``state-dir``),
