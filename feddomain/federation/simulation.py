@@ -22,6 +22,7 @@ from torch import nn
 
 from feddomain.algorithms import get_method
 from feddomain.algorithms.base import (
+    Arrays,
     ClientContext,
     Plan,
     ServerContext,
@@ -244,18 +245,27 @@ class Simulation:
         ood_per_client: list[dict[str, EvalResult]] = []
         ood_val_per_client: list[dict[str, EvalResult]] = []
         for cid in range(self.data.n_clients):
-            ctx = self._context(cid, 0, torch.Generator())
-            arrays = self.client.eval_arrays(self.server.eval_arrays(cid), ctx)
+            arrays = self.load_eval_model(cid, self.server.eval_arrays(cid))
             keep.append(arrays)
-            set_arrays(self.model, arrays)
-            val = self.data.val[cid]
-            id_results.append(self.score(val) if len(val) else None)
+            id_results.append(self.score_id(cid))
             if id(arrays) not in by_model:
                 by_model[id(arrays)] = self.score_held_out()
             ood, ood_val = by_model[id(arrays)]
             ood_per_client.append(ood)
             ood_val_per_client.append(ood_val)
         return _summarise_eval(id_results, ood_per_client, ood_val_per_client, len(by_model))
+
+    def load_eval_model(self, cid: int, offered: Arrays | None) -> Arrays:
+        """Load the model client ``cid`` would use, given the server's offer, into the shared
+        model object; returns its arrays (the offer itself unless the client keeps its own)."""
+        arrays = self.client.eval_arrays(offered, self._context(cid, 0, torch.Generator()))
+        set_arrays(self.model, arrays)
+        return arrays
+
+    def score_id(self, cid: int) -> EvalResult | None:
+        """The loaded model on client ``cid``'s validation split (None if it has none)."""
+        val = self.data.val[cid]
+        return self.score(val) if len(val) else None
 
     def score(self, data: ClientData) -> EvalResult:
         """Metrics of the model now loaded in the shared model object, on ``data``."""

@@ -52,7 +52,6 @@ from feddomain.federation.flower.settings import (
 )
 from feddomain.federation.messages import Message
 from feddomain.federation.simulation import Simulation
-from feddomain.federation.training import set_arrays
 
 app = ClientApp()
 
@@ -113,14 +112,11 @@ class NodeRunner:
         whether the client replaced the offered arrays with its own model."""
         sim = self.sim
         sim.states[cid] = self._state(cid, envelope, context)
-        ctx = sim._context(cid, 0, torch.Generator())
-        arrays = sim.client.eval_arrays(offered, ctx)
-        set_arrays(sim.model, arrays)
-        val = sim.data.val[cid]
+        arrays = sim.load_eval_model(cid, offered)
         ood, held_out_val = sim.score_held_out()
         return {
             "own": arrays is not offered,
-            "id": result_to_json(sim.score(val) if len(val) else None),
+            "id": result_to_json(sim.score_id(cid)),
             "ood": results_to_json(ood),
             "val": results_to_json(held_out_val),
         }
