@@ -72,6 +72,8 @@ class PartitionConfig(Section):
             return self
         if self.name != "sites":
             raise ValueError(f"'sites' lists client folders for name 'sites', not {self.name!r}")
+        if not self.sites:
+            raise ValueError("'sites' is empty: list one folder per client")
         if "n_clients" not in self.model_fields_set:
             object.__setattr__(self, "n_clients", len(self.sites))  # no re-validation loop
         elif self.n_clients != len(self.sites):

@@ -136,6 +136,8 @@ def test_sites_misconfigurations_are_named(
     _, export = exported
     with pytest.raises(ConfigError, match=r"n_clients=2 but 'sites' lists 3 folder"):
         sites_config(export, cache_dir, "partition.n_clients=2")
+    with pytest.raises(ConfigError, match=r"'sites' is empty: list one folder per client"):
+        sites_config(export, cache_dir, "partition.sites=[]")
     with pytest.raises(ConfigError, match=r"needs split.targets"):
         sites_config(export, cache_dir, "split.targets=null")
     with pytest.raises(ConfigError, match=r"split.few_shot cannot be set with partition 'sites'"):
