@@ -15,6 +15,7 @@ from feddomain.algorithms.base import ClientAlgorithm, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgHparams, FedAvgServer
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.privacy import Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_TRAIN, INIT, derive_seed, sampling_stream
 from feddomain.models import build_model
@@ -118,6 +119,9 @@ class _EchoAndTamper(ClientAlgorithm):
             reply.arrays["classifier.weight"][0, 0] = float("nan")
         return reply
 
+    def uploads(self, n_clients):
+        return Uploads(model=("*",))
+
 
 @contextmanager
 def temporary_method(name, server, client):
@@ -179,12 +183,6 @@ def test_sampling_stream_is_seeded_and_sized():
     assert all(len(r) == 1 for r in sampling_stream(3, 0.01, 5, seed=0))
 
 
-def test_fedavg_bytes_are_model_size_both_ways(tmp_path):
-    sim = run_sim(tiny_config(rounds=2), tmp_path / "b")
-    model_bytes = sum(v.numel() * v.element_size() for v in sim.server.global_arrays.values())
-    assert sim.bytes == {"up": 2 * 3 * model_bytes, "down": 2 * 3 * model_bytes}
-
-
 def test_local_only_clients_keep_separate_models(tmp_path):
     sim = run_sim(tiny_config(rounds=2, algorithm="local"), tmp_path / "l")
     a, b = sim.states[0].arrays, sim.states[1].arrays
@@ -215,6 +213,9 @@ class _SequentialServer(FedAvgServer):
 class _Echo(ClientAlgorithm):
     def run(self, msg, ctx):
         return Message("fit", {}, dict(msg.scalars))
+
+    def uploads(self, n_clients):
+        return Uploads(scalars=("folded",))
 
 
 def test_lazy_plan_interleaves_configure_and_aggregate(tmp_path):

@@ -15,6 +15,9 @@ Round protocol, as the runner executes it::
         [station.aggregate(replies)    -> Message]          # hierarchical topologies only
         server.aggregate(rnd, replies)
     evaluation: server.eval_arrays(cid) -> arrays | None, then client.eval_arrays(arrays, ctx)
+
+Every client reply is checked against the client part's ``uploads()`` declaration (the privacy
+contract, ``federation/privacy.py``) before the server sees it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.privacy import Uploads
 from feddomain.federation.training import (
     LossFn,
     TrainStats,
@@ -151,6 +155,11 @@ class ClientAlgorithm(ABC):
     @abstractmethod
     def run(self, msg: Message, ctx: ClientContext) -> Message:
         """Carry out ``msg.task`` ("fit", "collect", ...) and reply."""
+
+    @abstractmethod
+    def uploads(self, n_clients: int) -> Uploads:
+        """Everything a reply of this client may hold, over all its tasks (the privacy
+        contract): the runner stops a run whose client sends anything else."""
 
     def eval_arrays(self, arrays: Arrays | None, ctx: ClientContext) -> Arrays:
         """The arrays this client would predict with, given what the server offers."""

@@ -23,6 +23,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.privacy import Uploads
 from feddomain.federation.training import get_arrays
 
 
@@ -75,6 +76,10 @@ class FedAvgClient(ClientAlgorithm):
                 "loss": stats.mean_loss,
             },
         )
+
+    def uploads(self, n_clients: int) -> Uploads:
+        """The trained model (every array), its sample count and mean training loss."""
+        return Uploads(model=("*",), scalars=("num_examples", "loss"))
 
     def regularizer(self, msg: Message, ctx: ClientContext):
         """Extra loss term added to every batch (none for FedAvg)."""

@@ -41,6 +41,7 @@ from feddomain.algorithms.registry import register
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
+from feddomain.federation.privacy import Uploads
 from feddomain.federation.topology import INIT, SERVER, derive_seed
 from feddomain.federation.training import get_arrays
 
@@ -494,6 +495,10 @@ class HypernetworkClient(ClientAlgorithm):
         delta = {k: msg.arrays[k] - trained[k] for k in msg.arrays}
         return Message("fit", delta, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
 
+    def uploads(self, n_clients: int) -> Uploads:
+        """Δ, shaped like the model, plus the sample count and mean training loss."""
+        return Uploads(model=("*",), scalars=("num_examples", "loss"))
+
 
 class ConvAutoencoder(nn.Module):
     """Table 6's autoencoder; at 32 px the latent is Linear(32·8·8, e), as in the paper."""
@@ -538,6 +543,15 @@ class HFedFClient(HypernetworkClient):
         if msg.task == "collect":
             return Message("collect", {"embedding": self.autoencoder_embedding(msg, ctx)})
         return super().run(msg, ctx)
+
+    def uploads(self, n_clients: int) -> Uploads:
+        """Adds the autoencoder embedding: one mean latent vector of length L, never a latent
+        per image."""
+        base = super().uploads(n_clients)
+        if self.hp.embedding != "autoencoder":
+            return base
+        embed_dim = self.hp.embed_dim or default_embed_dim(n_clients)
+        return Uploads(base.model, {"embedding": (embed_dim,)}, base.scalars)
 
     def autoencoder_embedding(self, msg: Message, ctx: ClientContext) -> Tensor:
         """Train the shared-initialisation AE on a few local images (MSE, Adam) and return the

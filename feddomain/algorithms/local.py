@@ -19,6 +19,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message
+from feddomain.federation.privacy import Uploads
 from feddomain.federation.training import get_arrays
 
 
@@ -56,6 +57,10 @@ class LocalClient(ClientAlgorithm):
         stats = ctx.fit(msg.arrays or ctx.state.arrays)
         ctx.state.arrays = get_arrays(ctx.model)
         return Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
+
+    def uploads(self, n_clients: int) -> Uploads:
+        """No weights ever leave the client: only its sample count and mean training loss."""
+        return Uploads(scalars=("num_examples", "loss"))
 
     def eval_arrays(self, arrays: Arrays | None, ctx: ClientContext) -> Arrays:
         return ctx.state.arrays or arrays

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 
 from feddomain.errors import ConfigError, DataError
 from feddomain.evaluation.selection import RULES, select
+from feddomain.federation.privacy import KINDS
 
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
 METRICS = ("ood_acc", "id_acc", "ood_ece")
@@ -110,6 +111,7 @@ class Report:
             for metric in METRICS:
                 lines += ["", f"## {dataset} — {METRIC_TITLES[metric]} (%)", ""]
                 lines += self._table(dataset, metric)
+            lines += self._communication(dataset)
         if self.warnings:
             lines += ["", "## Notes", ""] + [f"- {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
@@ -130,6 +132,36 @@ class Report:
             seed_text = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
             row = [g.stats[metric].cell() if g else "—" for g in cells]
             lines.append(f"| {algo} | " + " | ".join(row) + f" | {avg} | {seed_text} |")
+        return lines
+
+    def _communication(self, dataset: str) -> list[str]:
+        """What crossed the wire per round, by direction and kind (the privacy ledger), mean
+        over the method's runs; one-time tasks before round 1 are spread over the rounds."""
+        by_method: dict[str, list[dict]] = {}
+        for run in self.runs:
+            ledger = run.summary.get("ledger")
+            if run.dataset == dataset and isinstance(ledger, dict):
+                per_round = {
+                    d: {k: ledger[d][k] / max(int(run.summary["rounds"]), 1) for k in KINDS}
+                    for d in ("down", "up")
+                }
+                by_method.setdefault(run.algorithm, []).append(per_round)
+        if not by_method:
+            return []
+        columns = [(d, k) for d in ("down", "up") for k in KINDS]
+        lines = [
+            "",
+            f"## {dataset} — communication per round (KiB, mean over runs)",
+            "",
+            "down: server to clients; up: clients to server. model: arrays shaped like the "
+            "model's; statistics: any other array; scalars: 8 bytes per number.",
+            "",
+            "| method | " + " | ".join(f"{d} {k}" for d, k in columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
+        for method, runs in sorted(by_method.items()):
+            cells = [np.mean([r[d][k] for r in runs]) / 1024 for d, k in columns]
+            lines.append(f"| {method} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
         return lines
 
     def rows(self) -> list[dict]:

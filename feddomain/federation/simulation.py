@@ -36,6 +36,7 @@ from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
+from feddomain.federation.privacy import Ledger, UploadCheck, non_finite_scalars
 from feddomain.federation.topology import (
     CLIENT_TRAIN,
     INIT,
@@ -88,10 +89,14 @@ class Simulation:
                 cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
             )
         self.model = self._init_model()
+        model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
+        self.client = self.spec.client(self.hp)
+        self.upload_check = UploadCheck(
+            self.spec.name, self.client.uploads(self.data.n_clients), model_shapes
+        )
         self.server = self.spec.server(
             ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds), self.hp
         )
-        self.client = self.spec.client(self.hp)
         self.station: StationAlgorithm | None = (
             self.spec.station(self.hp) if self.data.stations is not None else None
         )
@@ -102,7 +107,7 @@ class Simulation:
         self.records: list[dict[str, Any]] = []  # evaluated rounds (metrics.jsonl)
         self.round_log: list[dict[str, Any]] = []  # every round: phase times, bytes (rounds.jsonl)
         self.rejected: list[dict[str, Any]] = []
-        self.bytes = {"up": 0, "down": 0}
+        self.ledger = Ledger()  # bytes by direction and kind (privacy.py)
         self.elapsed = 0.0  # wall time of earlier sessions of this run (resume)
 
     def _init_model(self) -> nn.Module:
@@ -145,7 +150,7 @@ class Simulation:
     def _round(self, rnd: int) -> dict[str, Any]:
         units = self.schedule[rnd - 1]
         timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
-        bytes_before = dict(self.bytes)
+        ledger_before = self.ledger.snapshot()
         plan = self.server.configure(rnd, units)
         if self.data.stations is None:
             replies = self._client_replies(rnd, plan, timing)
@@ -159,10 +164,15 @@ class Simulation:
         return {
             "round": rnd,
             "time": timing,
-            "bytes_up": self.bytes["up"] - bytes_before["up"],
-            "bytes_down": self.bytes["down"] - bytes_before["down"],
+            **self._sent(ledger_before),
             "participants": len(units),
         }
+
+    def _sent(self, before: dict[str, dict[str, int]]) -> dict[str, Any]:
+        """Bytes since ``before``: array payload each way, and the ledger by kind."""
+        ledger = self.ledger.since(before)
+        arrays = {d: ledger[d]["model"] + ledger[d]["statistics"] for d in ledger}
+        return {"bytes_up": arrays["up"], "bytes_down": arrays["down"], "ledger": ledger}
 
     def _client_replies(
         self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int = 0
@@ -172,11 +182,11 @@ class Simulation:
         A lazy plan (an iterator) is pulled one client at a time, interleaved with the server's
         consumption of replies, so a sequential method (pFedHN) can build client i+1's message
         from the state that client i's reply produced."""
-        for cid, msg in plan_items(plan):
+        for cid, msg in self._deliver(rnd, plan, timing, station_round):
             t0 = time.perf_counter()
             reply = self._run_client(cid, rnd, msg, station_round)
             timing["train"] += time.perf_counter() - t0
-            bad = reply.has_non_finite()
+            bad = reply.has_non_finite() + non_finite_scalars(reply)
             if bad:
                 log.warning(
                     "round %d: client %d sent non-finite values in %s; update rejected",
@@ -187,6 +197,14 @@ class Simulation:
                 self.rejected.append({"round": rnd, "client": cid, "arrays": bad})
                 continue
             yield cid, reply
+
+    def _deliver(
+        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int
+    ) -> Iterator[tuple[int, Message]]:
+        """The planned (client, message) pairs whose task can run now: all of them in-process
+        (``execute`` runs each when asked). The Flower runner sends them to the nodes here and
+        passes on the clients that replied."""
+        yield from plan_items(plan)
 
     def _station_replies(
         self, rnd: int, plan: Plan, timing: dict[str, float]
@@ -202,18 +220,26 @@ class Simulation:
                 if current is None:  # every client of the station was rejected
                     break
             if current is not None:
-                self.bytes["up"] += current.nbytes
+                self.ledger.add("up", self.upload_check.message_bytes(current))
                 yield sid, current.copy()
 
     def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
-        self.bytes["down"] += msg.nbytes
+        """One client task as the server sees it: the message goes down, the reply comes up and
+        is held against the method's privacy declaration before anything reads it."""
+        self.ledger.add("down", self.upload_check.message_bytes(msg))
+        reply = self.execute(cid, rnd, msg, station_round)
+        n_samples = int(self.data.client_domain_counts[cid].sum())
+        self.upload_check.check(cid, reply, n_samples)
+        self.ledger.add("up", self.upload_check.message_bytes(reply))
+        return reply
+
+    def execute(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
+        """Run client ``cid``'s part on ``msg`` with its seeded context (the client side)."""
         torch.manual_seed(derive_seed(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
         ctx = self._context(
             cid, rnd, generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round)
         )
-        reply = self.client.run(msg.copy(), ctx).copy()
-        self.bytes["up"] += reply.nbytes
-        return reply
+        return self.client.run(msg.copy(), ctx).copy()
 
     def _context(self, cid: int, rnd: int, gen: torch.Generator) -> ClientContext:
         return ClientContext(
@@ -233,7 +259,12 @@ class Simulation:
     def _collect(self) -> None:
         plan = self.server.collect(list(range(self.data.n_clients)))
         if plan:
-            self.server.on_collect({c: self._run_client(c, 0, m) for c, m in plan_items(plan)})
+            before, timing = self.ledger.snapshot(), {"train": 0.0}
+            delivered = self._deliver(0, plan, timing, 0)
+            self.server.on_collect({c: self._run_client(c, 0, m) for c, m in delivered})
+            self.round_log.append(
+                {"round": 0, "task": "collect", "time": timing, **self._sent(before)}
+            )
 
     # --------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -306,8 +337,9 @@ class Simulation:
             "final": {k: final.get(k) for k in (*headline, "per_domain")},
             "reliability": {"ood": chosen["calibration"]["reliability"]},
             "confidence_hist": chosen["calibration"]["confidence_hist"],
-            "bytes_up": self.bytes["up"],
-            "bytes_down": self.bytes["down"],
+            "bytes_up": self.ledger.array_bytes("up"),
+            "bytes_down": self.ledger.array_bytes("down"),
+            "ledger": self.ledger.snapshot(),
             "rejected_updates": self.rejected,
             "client_domain_counts": self.data.client_domain_counts.tolist(),
             "wall_time_s": round(wall_time, 3),
@@ -333,7 +365,7 @@ class Simulation:
             "records": self.records,
             "round_log": self.round_log,
             "rejected": self.rejected,
-            "bytes": self.bytes,
+            "ledger": self.ledger.snapshot(),
             "elapsed": elapsed,
         }
 
@@ -356,7 +388,8 @@ class Simulation:
         self.states = [Message("state", a, s) for a, s in state["states"]]
         self.records, self.rejected = state["records"], state["rejected"]
         self.round_log = state["round_log"]
-        self.bytes, self.elapsed = state["bytes"], state["elapsed"]
+        self.ledger = Ledger(**state["ledger"])
+        self.elapsed = state["elapsed"]
 
 
 def _then_seed(replies: Iterator[tuple[int, Message]], seed: int) -> Iterator[tuple[int, Message]]:

@@ -3,7 +3,7 @@
 A node serves the client whose ``partition-id`` its node config names. It rebuilds that client's
 data from the config the ServerApp sends (dataset, split, seeded partition — the same code as
 ``feddomain run``), or, in a sites federation, reads it from its own ``site-root``. It executes
-tasks through the simulator's own client path (``Simulation._run_client``: the same seeding from
+tasks through the simulator's own client path (``Simulation.execute``: the same seeding from
 (seed, purpose, round, client), the same copies), so a deployed client trains exactly as a
 simulated one. The client's persistent state lives in
 the node's ``Context.state`` between messages (and on its disk with ``state-dir``: see
@@ -96,7 +96,7 @@ class NodeRunner:
         in the node's ``Context.state`` (and on disk with ``state-dir``)."""
         rnd = int(envelope["rnd"])
         self.sim.states[cid] = self._state(cid, envelope, context)
-        reply = self.sim._run_client(cid, rnd, msg, int(envelope["station_round"]))
+        reply = self.sim.execute(cid, rnd, msg, int(envelope["station_round"]))
         state = self.sim.states[cid]
         store_state(context.state, self.state_key(cid), state)
         store = self._store(cid, envelope, context)

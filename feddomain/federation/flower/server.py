@@ -32,7 +32,7 @@ from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid, ServerApp
 
 import feddomain
-from feddomain.algorithms.base import Plan, plan_items
+from feddomain.algorithms.base import Plan
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.data.federated import FederatedData
 from feddomain.data.splits import DomainSplit
@@ -350,18 +350,12 @@ class FlowerRunner(Simulation):
             "stateful": cid in self.restored_stateful,
         }
 
-    def _client_replies(
-        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int = 0
-    ) -> Iterator[tuple[int, Message]]:
-        delivered = self._exchanged(rnd, plan, timing, station_round)
-        return super()._client_replies(rnd, delivered, timing, station_round)
-
-    def _exchanged(
+    def _deliver(
         self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int
     ) -> Iterator[tuple[int, Message]]:
         """Send the plan to the nodes — a fixed plan all at once, a lazy (sequential) plan one
         client at a time — and pass on the clients that replied; the simulator's loop then
-        takes each reply from ``_run_client``."""
+        takes each reply from ``execute``."""
         batches = [list(plan.items())] if isinstance(plan, Mapping) else ([i] for i in plan)
         for batch in batches:
             t0 = time.perf_counter()
@@ -376,18 +370,10 @@ class FlowerRunner(Simulation):
                     (self.stateful.add if envelope["stateful"] else self.stateful.discard)(cid)
                     yield cid, msg
 
-    def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
-        reply = self._replies.pop(cid)
-        self.bytes["down"] += msg.nbytes
-        self.bytes["up"] += reply.nbytes
-        return reply
-
-    def _collect(self) -> None:
-        plan = self.server.collect(list(range(self.data.n_clients)))
-        if not plan:
-            return
-        delivered = self._exchanged(0, dict(plan_items(plan)), {"train": 0.0}, 0)
-        self.server.on_collect({cid: self._run_client(cid, 0, msg) for cid, msg in delivered})
+    def execute(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
+        """The reply the client's node sent (``_exchanged`` fetched it); the simulator's
+        ``_run_client`` then checks it against the privacy declaration and counts its bytes."""
+        return self._replies.pop(cid)
 
     def evaluate(self) -> dict[str, Any]:
         """Each node scores the model its client would use; one shared model is scored on the
