@@ -17,7 +17,9 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,9 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity
 
-from feddomain.algorithms import METHODS
+from feddomain.algorithms import METHODS, register
+from feddomain.algorithms.base import MethodSpec
+from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.cli import main as cli_main
 from feddomain.cli import run_experiment
 from feddomain.config import ExperimentConfig, load_config
@@ -63,6 +67,7 @@ from feddomain.federation.flower.records import (
 from feddomain.federation.flower.server import run_deployment
 from feddomain.federation.flower.settings import FlowerSettings, node_partition
 from feddomain.federation.messages import Message, weighted_mean
+from feddomain.federation.privacy import PrivacyViolation
 from feddomain.federation.simulation import Simulation
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -570,6 +575,69 @@ def test_a_failing_client_is_named_with_its_error(tmp_path: Path, task_identity:
         torch.load(out / "server_state.pt")["global"], fedavg_by_hand(cfg, [0, 1], rounds=2)
     )
     assert len(records(out)[-1]["per_client"]["id_acc"]) == 3  # it still evaluates
+
+
+class _LeaksLabels(FedAvgClient):
+    """A FedAvg client that also uploads its training labels (one per sample)."""
+
+    def run(self, msg: Message, ctx: Any) -> Message:
+        reply = super().run(msg, ctx)
+        reply.arrays["labels"] = ctx.train.labels.clone()
+        return reply
+
+
+class _InfFromClient1(FedAvgClient):
+    """Client 1 sends +Inf in one weight and -Inf in another."""
+
+    def run(self, msg: Message, ctx: Any) -> Message:
+        reply = super().run(msg, ctx)
+        if ctx.cid == 1:
+            reply.arrays["classifier.bias"][0] = float("inf")
+            reply.arrays["classifier.weight"][0, 0] = float("-inf")
+        return reply
+
+
+@contextmanager
+def test_method(name: str, client: type) -> Iterator[None]:
+    """A method defined by a test, registered while the block runs (nodes run in-process)."""
+    register(MethodSpec(name, FedAvgServer, client, FedAvgHparams))
+    try:
+        yield
+    finally:
+        del METHODS[name]
+
+
+def test_an_undeclared_upload_stops_a_deployed_run_by_name(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Catches: the privacy check running in the simulator only, not on replies from nodes."""
+    with (
+        test_method("_leaks_labels", _LeaksLabels),
+        pytest.raises(
+            PrivacyViolation,
+            match=r"_leaks_labels: client 0 sent array 'labels' \[\d+\].*one row per training",
+        ),
+    ):
+        deploy_loopback(demo_config("algorithm.name=_leaks_labels"), tmp_path / "flower")
+    assert not (tmp_path / "flower" / "summary.json").exists()
+
+
+def test_infinite_updates_from_a_node_are_rejected_and_the_run_goes_on(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Catches: +Inf/-Inf from a deployed client reaching the average (only NaN was tested)."""
+    with test_method("_inf", _InfFromClient1):
+        cfg = demo_config("algorithm.name=_inf")
+        deploy_loopback(cfg, tmp_path / "flower")
+    summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    assert [
+        (r["round"], r["client"], sorted(r["arrays"])) for r in summary["rejected_updates"]
+    ] == [
+        (1, 1, ["classifier.bias", "classifier.weight"]),
+        (2, 1, ["classifier.bias", "classifier.weight"]),
+    ]
+    final = torch.load(tmp_path / "flower" / "server_state.pt")["global"]
+    assert_same_state(final, fedavg_by_hand(demo_config(), [0, 2], rounds=2))
 
 
 def test_too_few_replies_stop_the_run_with_the_missing_clients(
