@@ -259,7 +259,8 @@ class Simulation:
     def _collect(self) -> None:
         plan = self.server.collect(list(range(self.data.n_clients)))
         if plan:
-            before, timing = self.ledger.snapshot(), {"train": 0.0}
+            before = self.ledger.snapshot()
+            timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
             delivered = self._deliver(0, plan, timing, 0)
             self.server.on_collect({c: self._run_client(c, 0, m) for c, m in delivered})
             self.round_log.append(
