@@ -40,7 +40,7 @@ def bare_loop(cfg, data, n_classes: int, rounds: int) -> float:
     start = time.perf_counter()
     for rnd in range(1, rounds + 1):
         gen = torch.Generator().manual_seed(derive_seed(cfg.seed, CLIENT_TRAIN, rnd, 0, 0))
-        opt = make_opt(list(model.parameters()))
+        opt = make_opt(list(model.parameters()), cfg.train.lr)
         model.train()
         order = torch.randperm(len(data), generator=gen)
         for s in range(0, len(data), bs):

@@ -116,6 +116,16 @@ class TrainConfig(Section):
     momentum: float = Field(0.0, ge=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)  # max gradient L2 norm per step; None: off
+    drop_last: bool = False  # skip each epoch's final partial batch
+    # learning rate per global round: constant, cosine to min_lr, or step (x step_gamma once
+    # step_at of the rounds are done)
+    schedule: Literal["constant", "cosine", "step"] = "constant"
+    min_lr: float = Field(0.0, ge=0.0)
+    step_at: float = Field(0.8, gt=0.0, le=1.0)
+    step_gamma: float = Field(0.1, gt=0.0, le=1.0)
+    # keep each client's optimiser state (momentum, Adam moments) across its rounds (FedDG-GA's
+    # protocol) instead of a fresh optimiser per round
+    persistent_optimizer: bool = False
     augment: AugmentSection = Field(default_factory=AugmentSection)
     # per-channel normalisation; None keeps inputs in [0, 1] (hFedF's protocol)
     mean: tuple[float, float, float] | None = None

@@ -381,7 +381,9 @@ def test_a7_bytes_are_twice_the_model_per_client_and_messages_hold_only_model_te
     sim.run()
     shapes = {k: v.shape for k, v in sim.model.state_dict().items()}
     phi_bytes = 4 * sum(math.prod(s) for s in shapes.values())
-    assert sim.bytes == {"up": 3 * phi_bytes, "down": 3 * phi_bytes}  # 2·|φ|·4 per client
+    # 2·|φ|·4 bytes of model per client; nothing else but two scalars (8 bytes each) up
+    assert sim.ledger.up == {"model": 3 * phi_bytes, "statistics": 0, "scalars": 3 * 16}
+    assert sim.ledger.down == {"model": 3 * phi_bytes, "statistics": 0, "scalars": 0}
     assert len(messages) == 6
     for msg in messages:
         assert {k: v.shape for k, v in msg.arrays.items()} == shapes
@@ -498,7 +500,7 @@ def test_autoencoder_embeddings_are_the_clients_mean_latents_and_stay_fixed(tmp_
     assert not nu.requires_grad
     assert torch.equal(nu, torch.stack([collected[c] for c in range(3)]))
     assert len({tuple(v.tolist()) for v in collected.values()}) == 3  # one per client
-    assert sim.bytes["up"] - sim.bytes["down"] == 3 * 4  # one float of L = 1 per client, once
+    assert sim.ledger.up["statistics"] == 3 * 4  # one float of L = 1 per client, once
 
 
 def test_variant_names_pin_their_switches():

@@ -23,7 +23,7 @@ contract, ``federation/privacy.py``) before the server sees it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,8 @@ from feddomain.federation.training import (
     LossFn,
     TrainStats,
     cross_entropy_loss,
+    load_optimizer_state,
+    save_optimizer_state,
     set_arrays,
     train_epochs,
 )
@@ -70,7 +72,9 @@ class ServerContext:
 @dataclass
 class ClientContext:
     """What a client part gets for one task. ``state`` persists across rounds (kept by the runner,
-    or by the node under Flower); ``model`` is one object reused by every simulated client."""
+    or by the node under Flower); ``model`` is one object reused by every simulated client.
+    ``lr`` is this round's learning rate (after ``train.schedule``); ``normalization`` the
+    (mean, std) the inputs were normalised with, None for inputs in [0, 1]."""
 
     cid: int
     rnd: int
@@ -81,8 +85,23 @@ class ClientContext:
     generator: torch.Generator
     local_epochs: int
     batch_size: int
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    make_optimizer: Callable[[list[nn.Parameter], float], torch.optim.Optimizer]
     grad_clip: float | None = None
+    rounds: int = 1
+    station_round: int = 0
+    station_rounds: int = 1
+    lr: float = 1e-3
+    normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    drop_last: bool = False
+    persistent_optimizer: bool = False
+
+    def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The configured optimiser over ``params`` at this round's lr; with
+        ``train.persistent_optimizer`` it resumes the state this client's last fit left."""
+        optimizer = self.make_optimizer(params, self.lr)
+        if self.persistent_optimizer:
+            load_optimizer_state(optimizer, self.state)
+        return optimizer
 
     def fit(
         self,
@@ -90,22 +109,32 @@ class ClientContext:
         *,
         loss_fn: LossFn = cross_entropy_loss,
         regularizer: Callable[[], torch.Tensor] | None = None,
+        params: list[nn.Parameter] | None = None,
+        extra_optimizers: Sequence[torch.optim.Optimizer] = (),
+        on_step: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TrainStats:
         """Load ``arrays`` into the shared model and train it for the configured local epochs
-        with a fresh optimiser (the usual client step of every FedAvg-family method)."""
+        (the usual client step of every FedAvg-family method): the configured optimiser over
+        ``params`` (default: all parameters), plus any ``extra_optimizers`` of the method's own
+        (e.g. an adapter's), stepped together by the shared loop."""
         set_arrays(self.model, arrays)
-        optimizer = self.make_optimizer(list(self.model.parameters()))
-        return train_epochs(
+        optimizer = self.optimizer(list(self.model.parameters()) if params is None else params)
+        stats = train_epochs(
             self.model,
             self.train,
-            optimizer,
+            [optimizer, *extra_optimizers],
             epochs=self.local_epochs,
             batch_size=self.batch_size,
             generator=self.generator,
             loss_fn=loss_fn,
             regularizer=regularizer,
             grad_clip=self.grad_clip,
+            drop_last=self.drop_last,
+            on_step=on_step,
         )
+        if self.persistent_optimizer:
+            save_optimizer_state(optimizer, self.state)
+        return stats
 
 
 class ServerAlgorithm(ABC):

@@ -20,7 +20,7 @@ from feddomain.algorithms.base import (
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
-from feddomain.federation.training import get_arrays
+from feddomain.federation.training import get_arrays, model_arrays
 
 
 class LocalServer(ServerAlgorithm):
@@ -54,8 +54,8 @@ class LocalServer(ServerAlgorithm):
 
 class LocalClient(ClientAlgorithm):
     def run(self, msg: Message, ctx: ClientContext) -> Message:
-        stats = ctx.fit(msg.arrays or ctx.state.arrays)
-        ctx.state.arrays = get_arrays(ctx.model)
+        stats = ctx.fit(msg.arrays or model_arrays(ctx.state))
+        ctx.state.arrays.update(get_arrays(ctx.model))
         return Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
 
     def uploads(self, n_clients: int) -> Uploads:
@@ -63,7 +63,7 @@ class LocalClient(ClientAlgorithm):
         return Uploads(scalars=("num_examples", "loss"))
 
     def eval_arrays(self, arrays: Arrays | None, ctx: ClientContext) -> Arrays:
-        return ctx.state.arrays or arrays
+        return model_arrays(ctx.state) or arrays
 
 
 register(

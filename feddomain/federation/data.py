@@ -26,12 +26,19 @@ class ClientData:
         return int(self.labels.shape[0])
 
     def batches(
-        self, batch_size: int, generator: torch.Generator | None = None, *, shuffle: bool = True
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One epoch of (x, y) batches; the order (and augmentation) is drawn from ``generator``."""
+        """One epoch of (x, y) batches; the order (and augmentation) is drawn from ``generator``.
+        ``drop_last`` skips a final partial batch (its loss would be noisier than the others)."""
         n = len(self)
         order = torch.randperm(n, generator=generator) if shuffle else None
-        for start in range(0, n, batch_size):
+        stop = n - n % batch_size if drop_last else n
+        for start in range(0, stop, batch_size):
             if order is None:
                 x, y = (
                     self.inputs[start : start + batch_size],

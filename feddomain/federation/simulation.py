@@ -45,7 +45,7 @@ from feddomain.federation.topology import (
     generator,
     sampling_stream,
 )
-from feddomain.federation.training import predict_probs, set_arrays
+from feddomain.federation.training import predict_probs, round_lr, set_arrays
 from feddomain.models import build_model
 from feddomain.models.frozen import head_model
 
@@ -54,12 +54,13 @@ log = logging.getLogger("feddomain")
 
 def make_optimizer_factory(
     cfg: ExperimentConfig,
-) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+) -> Callable[[list[nn.Parameter], float], torch.optim.Optimizer]:
+    """(parameters, learning rate) -> the configured client optimiser."""
     t = cfg.train
     if t.optimizer == "adam":
-        return lambda params: torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
-    return lambda params: torch.optim.SGD(
-        params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+        return lambda params, lr: torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
+    return lambda params, lr: torch.optim.SGD(
+        params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
 
 
@@ -236,12 +237,23 @@ class Simulation:
     def execute(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
         """Run client ``cid``'s part on ``msg`` with its seeded context (the client side)."""
         torch.manual_seed(derive_seed(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
-        ctx = self._context(
-            cid, rnd, generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round)
-        )
+        gen = generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round)
+        ctx = self._context(cid, rnd, gen, station_round)
         return self.client.run(msg.copy(), ctx).copy()
 
-    def _context(self, cid: int, rnd: int, gen: torch.Generator) -> ClientContext:
+    def _context(
+        self, cid: int, rnd: int, gen: torch.Generator, station_round: int = 0
+    ) -> ClientContext:
+        t = self.cfg.train
+        lr = round_lr(
+            t.lr,
+            max(rnd, 1),
+            self.cfg.rounds,
+            t.schedule,
+            min_lr=t.min_lr,
+            step_at=t.step_at,
+            gamma=t.step_gamma,
+        )
         return ClientContext(
             cid=cid,
             rnd=rnd,
@@ -250,10 +262,17 @@ class Simulation:
             val=self.data.val[cid],
             state=self.states[cid],
             generator=gen,
-            local_epochs=self.cfg.train.local_epochs,
-            batch_size=self.cfg.train.batch_size,
+            local_epochs=t.local_epochs,
+            batch_size=t.batch_size,
             make_optimizer=self.make_optimizer,
-            grad_clip=self.cfg.train.grad_clip,
+            grad_clip=t.grad_clip,
+            rounds=self.cfg.rounds,
+            station_round=station_round,
+            station_rounds=self.cfg.topology.station_rounds,
+            lr=lr,
+            normalization=(t.mean, t.std) if t.mean is not None and t.std is not None else None,
+            drop_last=t.drop_last,
+            persistent_optimizer=t.persistent_optimizer,
         )
 
     def _collect(self) -> None:

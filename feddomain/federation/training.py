@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from feddomain.federation.data import ClientData
+from feddomain.federation.messages import Message
 
 Arrays = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -20,6 +22,7 @@ class TrainStats:
     steps: int
     examples: int
     mean_loss: float
+    batch_losses: torch.Tensor  # [steps], each step's loss in step order (e.g. FedVR's variance)
 
 
 def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -29,7 +32,7 @@ def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
 def train_epochs(
     model: nn.Module,
     data: ClientData,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
     epochs: int,
     batch_size: int,
@@ -37,26 +40,94 @@ def train_epochs(
     loss_fn: LossFn = cross_entropy_loss,
     regularizer: Callable[[], torch.Tensor] | None = None,
     grad_clip: float | None = None,
+    drop_last: bool = False,
+    on_step: Callable[[int, torch.Tensor], None] | None = None,
 ) -> TrainStats:
-    """Plain minibatch training; ``regularizer()`` is added to every batch loss (e.g. FedProx);
-    ``grad_clip`` bounds each step's gradient L2 norm (pFedHN's reference code clips to 50)."""
+    """Minibatch training: one backward of ``loss_fn`` (+ ``regularizer()``, e.g. FedProx) per
+    batch, then a step of every optimiser — a method with a second optimiser over its own
+    parameters (an adapter) passes both and lets its loss reach each set. ``grad_clip`` bounds
+    the L2 norm of each step's gradient over the optimised parameters; ``on_step(step, loss)``
+    runs after each step (EMA updates, statistics)."""
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     model.train()
     steps, examples = 0, 0
     loss_sum = torch.zeros(())
+    losses = []
     for _ in range(epochs):
-        for x, y in data.batches(batch_size, generator):
+        for x, y in data.batches(batch_size, generator, drop_last=drop_last):
             loss = loss_fn(model, x, y)
             if regularizer is not None:
                 loss = loss + regularizer()
-            optimizer.zero_grad(set_to_none=True)
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            optimizer.step()
-            loss_sum += loss.detach()
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            for o in optimizers:
+                o.step()
+            loss = loss.detach()
+            loss_sum += loss
+            losses.append(loss)
+            if on_step is not None:
+                on_step(steps, loss)
             steps += 1
             examples += int(y.shape[0])
-    return TrainStats(steps, examples, float(loss_sum) / max(steps, 1))
+    batch_losses = torch.stack(losses) if losses else torch.zeros(0)
+    return TrainStats(steps, examples, float(loss_sum) / max(steps, 1), batch_losses)
+
+
+# Optimiser state kept in a client's persistent state (``train.persistent_optimizer``) lives
+# under this prefix, beside whatever the method keeps there.
+OPTIMIZER_PREFIX = "optimizer/"
+
+
+def save_optimizer_state(optimizer: torch.optim.Optimizer, state: Message) -> None:
+    """Store the optimiser's per-parameter state (momentum, Adam moments, step counts) in
+    ``state``: tensors as arrays, numbers as scalars, keyed ``optimizer/<param>.<name>``."""
+    for key in [k for k in state.arrays if k.startswith(OPTIMIZER_PREFIX)]:
+        del state.arrays[key]
+    for key in [k for k in state.scalars if k.startswith(OPTIMIZER_PREFIX)]:
+        del state.scalars[key]
+    for index, values in optimizer.state_dict()["state"].items():
+        for name, value in values.items():
+            key = f"{OPTIMIZER_PREFIX}{index}.{name}"
+            if torch.is_tensor(value):
+                state.arrays[key] = value.detach().clone()
+            elif isinstance(value, int | float):
+                state.scalars[key] = value
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Message) -> None:
+    """Restore what ``save_optimizer_state`` kept (nothing on a client's first round); the
+    optimiser's hyper-parameters (lr of this round, momentum, ...) stay as configured."""
+    restored: dict[int, dict[str, object]] = {}
+    for source in (state.arrays, state.scalars):
+        for key, value in source.items():
+            if key.startswith(OPTIMIZER_PREFIX):
+                index, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+                restored.setdefault(int(index), {})[name] = value
+    if restored:
+        current = optimizer.state_dict()
+        optimizer.load_state_dict({**current, "state": restored})
+
+
+def model_arrays(state: Message) -> Arrays:
+    """A client state's arrays without the engine's optimiser entries."""
+    return {k: v for k, v in state.arrays.items() if not k.startswith(OPTIMIZER_PREFIX)}
+
+
+def round_lr(
+    lr: float, rnd: int, rounds: int, schedule: str, *, min_lr: float, step_at: float, gamma: float
+) -> float:
+    """The learning rate of global round ``rnd`` (1-based), constant within the round.
+    ``cosine``: min_lr + ½(lr − min_lr)(1 + cos(π (rnd − 1) / rounds)) (HFedATM §2.6);
+    ``step``: lr·gamma once ``step_at`` of the rounds are done (FedDG-GA's StepLR)."""
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * (rnd - 1) / rounds))
+    if schedule == "step":
+        return lr * gamma if rnd - 1 >= step_at * rounds else lr
+    return lr
 
 
 def get_arrays(model: nn.Module) -> Arrays:
