@@ -10,6 +10,7 @@ Round protocol, as the runner executes it::
     client.run(msg, ctx)    -> Message
     server.on_collect(replies)
     for each round:
+        [server.pre_round(rnd, participants) -> Plan; client.run; server.on_pre_round(...)]
         server.configure(rnd, sampled) -> {cid: Message}     # "fit" tasks
         client.run(msg, ctx)           -> Message           # trains; returns update + num_examples
         [station.aggregate(replies)    -> Message]          # hierarchical topologies only
@@ -149,6 +150,14 @@ class ServerAlgorithm(ABC):
     def on_collect(self, replies: dict[int, Message]) -> None:  # noqa: B027 - optional hook
         """Receive the replies of the one-time ``collect`` task."""
 
+    def pre_round(self, rnd: int, clients: list[int]) -> Plan:
+        """Messages for a task this round's participating clients run before ``configure``
+        (none by default); their accepted replies go to ``on_pre_round``."""
+        return {}
+
+    def on_pre_round(self, rnd: int, replies: dict[int, Message]) -> None:  # noqa: B027
+        """Receive the accepted replies of this round's ``pre_round`` task."""
+
     @abstractmethod
     def configure(self, rnd: int, clients: list[int]) -> Plan:
         """One message per participating client for this round. Return an iterator of
@@ -211,9 +220,15 @@ class StationAlgorithm:
         return Message("fit", arrays, {"num_examples": total})
 
 
+ModelHook = Callable[[nn.Module, Hparams], nn.Module]
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method. ``pooled`` methods (Central) train on all source data as one client."""
+    """A registered method. ``pooled`` methods (Central) train on all source data as one client.
+    ``model_hook(model, hp)`` transforms every model the runner builds (a probabilistic head,
+    adapters, extra buffers), so strict loading stays strict everywhere. ``takes_client``: an
+    aggregator whose client part can be another method's (``algorithm.client``)."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -222,6 +237,45 @@ class MethodSpec:
     station: type[StationAlgorithm] = StationAlgorithm
     pooled: bool = False
     description: str = ""
+    model_hook: ModelHook | None = None
+    takes_client: bool = False
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a run is built from: the server side (aggregator, stations) of ``spec`` with ``hp``,
+    and the client side of ``client_spec`` with ``client_hp`` — the same method unless composed
+    (``algorithm: {name: AGGREGATOR, client: {name: METHOD, ...}}``)."""
+
+    spec: MethodSpec
+    hp: Hparams
+    client_spec: MethodSpec
+    client_hp: Hparams
+
+    @property
+    def name(self) -> str:
+        if self.client_spec is self.spec:
+            return self.spec.name
+        return f"{self.spec.name}+{self.client_spec.name}"
+
+    def make_server(self, ctx: ServerContext) -> ServerAlgorithm:
+        return self.spec.server(ctx, self.hp)
+
+    def make_client(self) -> ClientAlgorithm:
+        return self.client_spec.client(self.client_hp)
+
+    def make_station(self) -> StationAlgorithm:
+        return self.spec.station(self.hp)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Apply the client method's model hook, then the aggregator's (when they differ)."""
+        hooks = [(self.client_spec, self.client_hp)]
+        if self.client_spec is not self.spec:
+            hooks.append((self.spec, self.hp))
+        for spec, hp in hooks:
+            if spec.model_hook is not None:
+                model = spec.model_hook(model, hp)
+        return model

@@ -100,5 +100,6 @@ register(
         FedAvgClient,
         FedAvgHparams,
         description="FedAvg: sample-weighted parameter averaging",
+        takes_client=True,
     )
 )

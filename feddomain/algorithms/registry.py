@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from feddomain.algorithms.base import Hparams, MethodSpec
+from feddomain.algorithms.base import Hparams, Method, MethodSpec
 from feddomain.config import closest
 from feddomain.errors import ConfigError
 
@@ -31,18 +31,53 @@ def get_method(name: str) -> MethodSpec:
         ) from None
 
 
-def algorithm_hparams(name: str, values: dict[str, Any]) -> Hparams:
-    """Validate a method's hyper-parameters; errors name the key and the closest valid one."""
+def resolve_method(name: str, values: dict[str, Any]) -> Method:
+    """The validated method of an ``algorithm:`` section: its own hyper-parameters, or, with a
+    ``client`` key, an aggregator's composed with another method's client part. Errors name the
+    key (``algorithm.client.mu``) and the closest valid one."""
     spec = get_method(name)
+    values = dict(values)
+    client = values.pop("client", None)
+    hp = _validated(spec, values, "algorithm")
+    if client is None:
+        return Method(spec, hp, spec, hp)
+    if not spec.takes_client:
+        composable = sorted(m for m, s in METHODS.items() if s.takes_client)
+        raise ConfigError(
+            f"'algorithm.client': {name} has its own client part and takes no other "
+            f"(methods that take one: {', '.join(composable)})"
+        )
+    client = {"name": client} if isinstance(client, str) else client
+    if not isinstance(client, dict) or "name" not in client:
+        raise ConfigError(
+            f"'algorithm.client' must be a method name or a mapping with 'name', got {client!r}"
+        )
+    client = dict(client)
+    client_spec = get_method(str(client.pop("name")))
+    if client_spec.pooled or client_spec.takes_client:
+        raise ConfigError(
+            f"'algorithm.client.name': {client_spec.name} cannot be a client part "
+            f"({'it pools all data' if client_spec.pooled else 'it is an aggregator'})"
+        )
+    client_hp = _validated(client_spec, client, "algorithm.client")
+    return Method(spec, hp, client_spec, client_hp)
+
+
+def algorithm_hparams(name: str, values: dict[str, Any]) -> Hparams:
+    """Validate a method's hyper-parameters (and a composed client's)."""
+    return resolve_method(name, values).hp
+
+
+def _validated(spec: MethodSpec, values: dict[str, Any], prefix: str) -> Hparams:
     try:
         return spec.make_hparams(values)
     except ValidationError as err:
-        lines = [f"invalid hyper-parameters for algorithm '{name}':"]
+        lines = [f"invalid hyper-parameters for algorithm '{spec.name}':"]
         for e in err.errors():
             key = ".".join(str(p) for p in e["loc"])
             if e["type"] == "extra_forbidden":
-                hint = closest(key, list(spec.hparams.model_fields), prefix="algorithm")
-                lines.append(f"  unknown key 'algorithm.{key}'{hint}")
+                hint = closest(key, list(spec.hparams.model_fields), prefix=prefix)
+                lines.append(f"  unknown key '{prefix}.{key}'{hint}")
             else:
-                lines.append(f"  'algorithm.{key}': {e['msg']} (got {e.get('input')!r})")
+                lines.append(f"  '{prefix}.{key}': {e['msg']} (got {e.get('input')!r})")
         raise ConfigError("\n".join(lines)) from None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from feddomain.algorithms import get_method
+from feddomain.algorithms import resolve_method
 from feddomain.algorithms.base import (
     Arrays,
     ClientContext,
@@ -38,6 +38,7 @@ from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Ledger, UploadCheck, non_finite_scalars
 from feddomain.federation.topology import (
+    CLIENT_PRE_ROUND,
     CLIENT_TRAIN,
     INIT,
     SERVER,
@@ -76,30 +77,30 @@ class Simulation:
         progress: Callable[[int, dict[str, Any] | None], None] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.spec = get_method(cfg.algorithm.name)
-        self.hp = self.spec.make_hparams(cfg.algorithm.hparams)
-        self.data = data.pooled() if self.spec.pooled else data
+        self.method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
+        self.data = data.pooled() if self.method.spec.pooled else data
         self.out = out_dir
         self.progress = progress
         n_classes = len(data.classes)
         if cfg.model.frozen:  # clients hold cached backbone features: train only a head
             n_features = int(data.train[0].inputs.shape[1])
-            self._build = lambda: head_model(n_features, n_classes, hidden=cfg.model.head_hidden)
+            build = lambda: head_model(n_features, n_classes, hidden=cfg.model.head_hidden)  # noqa: E731
         else:
-            self._build = lambda: build_model(
+            build = lambda: build_model(  # noqa: E731
                 cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
             )
+        self._build = lambda: self.method.prepare_model(build())
         self.model = self._init_model()
         model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
-        self.client = self.spec.client(self.hp)
+        self.client = self.method.make_client()
         self.upload_check = UploadCheck(
-            self.spec.name, self.client.uploads(self.data.n_clients), model_shapes
+            self.method.name, self.client.uploads(self.data.n_clients), model_shapes
         )
-        self.server = self.spec.server(
-            ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds), self.hp
+        self.server = self.method.make_server(
+            ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds)
         )
         self.station: StationAlgorithm | None = (
-            self.spec.station(self.hp) if self.data.stations is not None else None
+            self.method.make_station() if self.data.stations is not None else None
         )
         self.states = [Message("state") for _ in range(self.data.n_clients)]
         units = len(self.data.stations) if self.data.stations is not None else self.data.n_clients
@@ -152,6 +153,7 @@ class Simulation:
         units = self.schedule[rnd - 1]
         timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
         ledger_before = self.ledger.snapshot()
+        self._pre_round(rnd, units, timing)
         plan = self.server.configure(rnd, units)
         if self.data.stations is None:
             replies = self._client_replies(rnd, plan, timing)
@@ -175,17 +177,34 @@ class Simulation:
         arrays = {d: ledger[d]["model"] + ledger[d]["statistics"] for d in ledger}
         return {"bytes_up": arrays["up"], "bytes_down": arrays["down"], "ledger": ledger}
 
+    def _pre_round(self, rnd: int, units: list[int], timing: dict[str, float]) -> None:
+        """The server's optional task for this round's participating clients before it
+        configures the round (FedIIR's mean classifier gradient, FedDG-GA's pre-training
+        losses): replies checked and rejected like any reply."""
+        clients = units
+        if self.data.stations is not None:
+            clients = [int(c) for s in units for c in self.data.stations[s]]
+        plan = self.server.pre_round(rnd, clients)
+        if plan:
+            replies = self._client_replies(rnd, plan, timing, purpose=CLIENT_PRE_ROUND)
+            self.server.on_pre_round(rnd, dict(replies))
+
     def _client_replies(
-        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int = 0
+        self,
+        rnd: int,
+        plan: Plan,
+        timing: dict[str, float],
+        station_round: int = 0,
+        purpose: int = CLIENT_TRAIN,
     ) -> Iterator[tuple[int, Message]]:
         """Train each planned client in turn; yield the finite replies, reject the others.
 
         A lazy plan (an iterator) is pulled one client at a time, interleaved with the server's
         consumption of replies, so a sequential method (pFedHN) can build client i+1's message
         from the state that client i's reply produced."""
-        for cid, msg in self._deliver(rnd, plan, timing, station_round):
+        for cid, msg in self._deliver(rnd, plan, timing, station_round, purpose):
             t0 = time.perf_counter()
-            reply = self._run_client(cid, rnd, msg, station_round)
+            reply = self._run_client(cid, rnd, msg, station_round, purpose)
             timing["train"] += time.perf_counter() - t0
             bad = reply.has_non_finite() + non_finite_scalars(reply)
             if bad:
@@ -200,7 +219,7 @@ class Simulation:
             yield cid, reply
 
     def _deliver(
-        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int
+        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int, purpose: int
     ) -> Iterator[tuple[int, Message]]:
         """The planned (client, message) pairs whose task can run now: all of them in-process
         (``execute`` runs each when asked). The Flower runner sends them to the nodes here and
@@ -224,20 +243,35 @@ class Simulation:
                 self.ledger.add("up", self.upload_check.message_bytes(current))
                 yield sid, current.copy()
 
-    def _run_client(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
+    def _run_client(
+        self,
+        cid: int,
+        rnd: int,
+        msg: Message,
+        station_round: int = 0,
+        purpose: int = CLIENT_TRAIN,
+    ) -> Message:
         """One client task as the server sees it: the message goes down, the reply comes up and
         is held against the method's privacy declaration before anything reads it."""
         self.ledger.add("down", self.upload_check.message_bytes(msg))
-        reply = self.execute(cid, rnd, msg, station_round)
+        reply = self.execute(cid, rnd, msg, station_round, purpose)
         n_samples = int(self.data.client_domain_counts[cid].sum())
         self.upload_check.check(cid, reply, n_samples)
         self.ledger.add("up", self.upload_check.message_bytes(reply))
         return reply
 
-    def execute(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
-        """Run client ``cid``'s part on ``msg`` with its seeded context (the client side)."""
-        torch.manual_seed(derive_seed(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round))
-        gen = generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round)
+    def execute(
+        self,
+        cid: int,
+        rnd: int,
+        msg: Message,
+        station_round: int = 0,
+        purpose: int = CLIENT_TRAIN,
+    ) -> Message:
+        """Run client ``cid``'s part on ``msg`` with its seeded context (the client side); a
+        pre-round task (``purpose`` CLIENT_PRE_ROUND) draws apart from the round's training."""
+        torch.manual_seed(derive_seed(self.cfg.seed, purpose, rnd, cid, station_round))
+        gen = generator(self.cfg.seed, purpose, rnd, cid, station_round)
         ctx = self._context(cid, rnd, gen, station_round)
         return self.client.run(msg.copy(), ctx).copy()
 
@@ -280,7 +314,7 @@ class Simulation:
         if plan:
             before = self.ledger.snapshot()
             timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
-            delivered = self._deliver(0, plan, timing, 0)
+            delivered = self._deliver(0, plan, timing, 0, CLIENT_TRAIN)
             self.server.on_collect({c: self._run_client(c, 0, m) for c, m in delivered})
             self.round_log.append(
                 {"round": 0, "task": "collect", "time": timing, **self._sent(before)}

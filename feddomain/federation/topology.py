@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SAMPLING, CLIENT_TRAIN, SERVER, INIT = range(4)
+SAMPLING, CLIENT_TRAIN, SERVER, INIT, CLIENT_PRE_ROUND = range(5)
 VAL_SPLIT, FEW_SHOT = 101, 102  # data-layer draws: per-client validation split, few-shot picks
 
 
