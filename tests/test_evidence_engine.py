@@ -33,6 +33,7 @@ from feddomain.data.federated import FederatedData, build_federated_data
 from feddomain.data.splits import DomainSplit
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
+from feddomain.federation.privacy import Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import INIT, derive_seed
 from feddomain.federation.training import train_epochs
@@ -644,6 +645,9 @@ class _ShiftOrPoison(ClientAlgorithm):
             name, value = self.poison[ctx.cid]
             arrays[name].view(-1)[0] = value
         return Message("fit", arrays, {"num_examples": len(ctx.train)})
+
+    def uploads(self, n_clients):
+        return Uploads(model=("*",))
 
 
 class _PlusMinusInf(_ShiftOrPoison):
