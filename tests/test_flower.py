@@ -69,6 +69,7 @@ from feddomain.federation.flower.settings import FlowerSettings, node_partition
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import PrivacyViolation
 from feddomain.federation.simulation import Simulation
+from tests.test_engine_contract import COUNTING, LABEL_MEAN
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEMO = PROJECT / "configs" / "demo.yaml"
@@ -353,6 +354,40 @@ def test_every_method_on_flower_equals_the_simulator(
         assert_same_state(kept.arrays, sim.states[cid].arrays)
     assert_same_run(out, sim, tmp_path / "sim")
     assert json.loads((out / "summary.json").read_text())["lost_clients"] == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "overrides"),
+    [
+        (COUNTING, ["algorithm.name=_counting"]),  # a model hook adding a buffer and a parameter
+        (LABEL_MEAN, ["algorithm.name=_label_mean", "topology.sample_fraction=0.67"]),
+        (None, ["algorithm.name=fedavg", "algorithm.client.name=fedprox", "algorithm.client.mu=1"]),
+        (None, ["algorithm.name=local", "train.optimizer=sgd", "train.momentum=0.9",
+                "train.persistent_optimizer=true", "train.schedule=cosine"]),
+    ],
+    ids=["model-hook", "pre-round-task", "composed", "persistent-optimizer"],
+)  # fmt: skip
+def test_engine_contract_features_on_flower_equal_the_simulator(
+    spec: MethodSpec | None, overrides: list[str], tmp_path: Path, task_identity: None
+) -> None:
+    """Catches: a hook, pre-round task, composed client or node-kept optimiser state that the
+    ServerApp/ClientApp path handles differently from the simulator."""
+    with registered(spec):
+        cfg = demo_config(*overrides)
+        sim = simulate(cfg, tmp_path / "sim")
+        deploy_loopback(cfg, tmp_path / "flower")
+    assert_same_run(tmp_path / "flower", sim, tmp_path / "sim")
+
+
+@contextmanager
+def registered(spec: MethodSpec | None) -> Iterator[None]:
+    if spec is not None:
+        register(spec)
+    try:
+        yield
+    finally:
+        if spec is not None:
+            del METHODS[spec.name]
 
 
 @pytest.mark.parametrize(
