@@ -309,12 +309,14 @@ class LabelMeanServer(FedAvgServer):
         super().__init__(ctx, hp)
         self.asked: list[tuple[int, list[int]]] = []
         self.means: dict[int, float] = {}
+        self.draws: dict[int, dict[int, float]] = {}  # each client's seeded draw per round
 
     def pre_round(self, rnd, clients):
         self.asked.append((rnd, list(clients)))
         return dict.fromkeys(clients, Message("label_mean"))
 
     def on_pre_round(self, rnd, replies):
+        self.draws[rnd] = {c: r.scalars["draw"] for c, r in replies.items()}
         n = {c: float(r.scalars["num_examples"]) for c, r in replies.items()}
         total = sum(n.values())
         self.means[rnd] = sum(n[c] * float(r.scalars["label_mean"]) for c, r in replies.items())
@@ -322,6 +324,9 @@ class LabelMeanServer(FedAvgServer):
 
     def configure(self, rnd, clients):
         return dict.fromkeys(clients, Message("fit", self.global_arrays, {"mean": self.means[rnd]}))
+
+    def state_dict(self):
+        return {**super().state_dict(), "means": self.means, "draws": self.draws}
 
 
 class LabelMeanClient(FedAvgClient):
@@ -331,13 +336,13 @@ class LabelMeanClient(FedAvgClient):
         LabelMeanClient.draws.append((msg.task, ctx.rnd, ctx.cid, float(torch.rand(()))))
         if msg.task == "label_mean":
             labels = ctx.train.labels.double()
-            return Message(
-                "label_mean", {}, {"label_mean": float(labels.mean()), "num_examples": len(labels)}
-            )
+            draw = float(torch.rand((), generator=ctx.generator))
+            scalars = {"label_mean": float(labels.mean()), "num_examples": len(labels)}
+            return Message("label_mean", {}, {**scalars, "draw": draw})
         return super().run(msg, ctx)
 
     def uploads(self, n_clients):
-        return Uploads(model=("*",), scalars=("num_examples", "loss", "label_mean"))
+        return Uploads(model=("*",), scalars=("num_examples", "loss", "label_mean", "draw"))
 
 
 LABEL_MEAN = MethodSpec("_label_mean", LabelMeanServer, LabelMeanClient, FedAvgHparams)
