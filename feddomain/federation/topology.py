@@ -10,8 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SAMPLING, CLIENT_TRAIN, SERVER, INIT = range(4)
-VAL_SPLIT, FEW_SHOT = 101, 102  # data-layer draws: per-client validation split, few-shot picks
+SAMPLING, CLIENT_TRAIN, SERVER, INIT, PILOT_TASK = range(5)
+# data-layer draws: per-client validation split, few-shot picks, target pilot sets
+VAL_SPLIT, FEW_SHOT, PILOT_SPLIT = 101, 102, 103
+# The client id a pilot task runs under: no client's, so no client's data or state is in reach.
+PILOT_CID = -1
 
 
 def derive_seed(seed: int, *keys: int) -> int:
