@@ -51,6 +51,10 @@ class SplitConfig(Section):
     official_lists: bool = False
     few_shot: int = Field(0, ge=0)
     few_shot_per_class: bool = True
+    # a seeded share of each target domain's images set aside, unlabeled, as its pilot set
+    # (FedVR's zero-shot model is built from it; FedVR uses 0.1) and left out of evaluation for
+    # every method alike; 0: no pilot set
+    pilot_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     # partition `sites`: folder <domain>/<class>/<image> holding the `targets` domains (on
     # Flower, a SuperNode's `target-root`)
     target_root: str | None = None

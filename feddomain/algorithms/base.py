@@ -15,7 +15,12 @@ Round protocol, as the runner executes it::
         client.run(msg, ctx)           -> Message           # trains; returns update + num_examples
         [station.aggregate(replies)    -> Message]          # hierarchical topologies only
         server.aggregate(rnd, replies)
-    evaluation: server.eval_arrays(cid) -> arrays | None, then client.eval_arrays(arrays, ctx)
+    evaluation, for each target domain d with a pilot task:
+        server.pilot_task(d)    -> Message | None
+        client.run(msg, ctx)    -> Message        # ctx: the unlabeled pilot set, cid PILOT_CID
+        server.on_pilot(d, reply)
+    then server.eval_arrays(cid) -> arrays | None, client.eval_arrays(arrays, ctx) per client,
+    and server.eval_arrays(None) -> the unseen-domain model, if the method has one
 
 Every client reply is checked against the client part's ``uploads()`` declaration (the privacy
 contract, ``federation/privacy.py``) before the server sees it.
@@ -172,8 +177,22 @@ class ServerAlgorithm(ABC):
 
     @abstractmethod
     def eval_arrays(self, cid: int | None) -> Arrays | None:
-        """Model arrays to evaluate for client ``cid`` (``None``: the model for an unseen domain).
-        Returning the same object for every client tells the runner it is one shared model."""
+        """Model arrays to evaluate for client ``cid``. Returning the same object for every
+        client tells the runner it is one shared model.
+
+        ``cid=None`` asks for the method's model for the unseen (target) domain, e.g. one built
+        from the pilot set: when it returns arrays, the run-level ood numbers score that model and
+        the clients' own ood scores stay as a diagnostic. ``None`` means the method has no such
+        model (FedAvg's clients already share the global model): the ood numbers are the clients'.
+        """
+
+    def pilot_task(self, domain: str) -> Message | None:
+        """A task for the client part on target ``domain``'s unlabeled pilot set, asked before
+        every evaluation (``None``: nothing to ask, e.g. once the reply is known)."""
+        return None
+
+    def on_pilot(self, domain: str, reply: Message) -> None:  # noqa: B027 - optional hook
+        """Receive the (privacy-checked, finite) reply to ``pilot_task(domain)``."""
 
     def diagnostics(self) -> dict[str, Any]:
         """JSON-ready values logged with every evaluated round (e.g. GradAlign weights)."""

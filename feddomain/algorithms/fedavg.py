@@ -53,8 +53,10 @@ class FedAvgServer(ServerAlgorithm):
             for k, w in self.global_arrays.items()
         }
 
-    def eval_arrays(self, cid: int | None) -> Arrays:
-        return self.global_arrays
+    def eval_arrays(self, cid: int | None) -> Arrays | None:
+        """The global model for every client; no separate unseen-domain model (the clients'
+        shared model is the one the target domain is scored with)."""
+        return None if cid is None else self.global_arrays
 
     def state_dict(self) -> dict[str, Any]:
         return {"global": self.global_arrays}

@@ -344,8 +344,10 @@ class HypernetworkServer(ServerAlgorithm):
             self._generated[cid] = {k: v.clone() for k, v in phi.items()}
         return self._generated[cid]
 
-    def eval_arrays(self, cid: int | None) -> Arrays:
-        return self.generated(cid)
+    def eval_arrays(self, cid: int | None) -> Arrays | None:
+        """Each client's generated model; no unseen-domain model, so the ood numbers are the mean
+        over the clients' generated models (hfedf.md §2.5). ``generated(None)`` stays available."""
+        return None if cid is None else self.generated(cid)
 
     # -- the server step
     def gradients(self, deltas: dict[int, Arrays]) -> ClientGradients:

@@ -42,8 +42,9 @@ class LocalServer(ServerAlgorithm):
         for _ in replies:
             pass
 
-    def eval_arrays(self, cid: int | None) -> Arrays:
-        return self.initial
+    def eval_arrays(self, cid: int | None) -> Arrays | None:
+        """The initial model (each client evaluates its own instead); no unseen-domain model."""
+        return None if cid is None else self.initial
 
     def state_dict(self) -> dict[str, Any]:
         return {"initial": self.initial, "started": sorted(self.started)}

@@ -1,5 +1,5 @@
 """From a config to a federation's data: dataset -> domain split -> client partition -> local
-train/validation splits (+ few-shot target samples) -> stations.
+train/validation splits (+ few-shot target samples, + unlabeled target pilot sets) -> stations.
 
 Each client's images are copied once into a contiguous tensor, so the training loop only slices
 memory. Every step is seeded from the experiment seed with its own stream.
@@ -7,7 +7,7 @@ memory. Every step is seeded from the experiment seed with its own stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +26,17 @@ from feddomain.data.sources import (
     official_split_indices,
     site_classes,
 )
-from feddomain.data.splits import DomainSplit, few_shot, holdout, leave_one_domain_out, parse_scheme
+from feddomain.data.splits import (
+    DomainSplit,
+    few_shot,
+    holdout,
+    leave_one_domain_out,
+    parse_scheme,
+    pilot_split,
+)
 from feddomain.errors import ConfigError, DataError
-from feddomain.federation.data import ClientData
-from feddomain.federation.topology import FEW_SHOT, INIT, VAL_SPLIT, derive_seed
+from feddomain.federation.data import UNLABELED, ClientData
+from feddomain.federation.topology import FEW_SHOT, INIT, PILOT_SPLIT, VAL_SPLIT, derive_seed
 from feddomain.models import build_model, input_normalization
 from feddomain.models.frozen import FrozenFeatures
 
@@ -48,6 +55,9 @@ class FederatedData:
     targets: dict[str, ClientData]  # ood test sets, one per test domain
     ood_val: dict[str, ClientData]  # held-out validation domains (schemes like "ac-p-s")
     stations: list[np.ndarray] | None = None  # client ids per station
+    # unlabeled pilot set of each test domain (split.pilot_fraction > 0), labels all UNLABELED;
+    # its images are not in ``targets``
+    pilots: dict[str, ClientData] = field(default_factory=dict)
 
     @property
     def n_clients(self) -> int:
@@ -111,6 +121,7 @@ def build_federated_data(
     target_sets = {d: dataset.indices_of(d) for d in split.test}
     if cfg.split.few_shot:
         train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
+    target_sets, pilot_sets = _set_pilots_aside(cfg, target_sets)
 
     def subset(idx: np.ndarray, transform: BatchAugment | None) -> ClientData:
         return _subset(inputs, dataset.labels, idx, transform)
@@ -130,6 +141,7 @@ def build_federated_data(
         targets={d: subset(i, eval_tf) for d, i in target_sets.items()},
         ood_val={d: subset(dataset.indices_of(d), eval_tf) for d in split.val},
         stations=_stations(cfg, len(train_parts)),
+        pilots={d: _unlabeled(inputs, i, eval_tf) for d, i in pilot_sets.items()},
     )
 
 
@@ -190,6 +202,7 @@ def build_site_data(
     empty = ClientData(like.new_empty((0, *like.shape[1:])), torch.empty(0, dtype=torch.int64))
     train = [parts[cid][0] if cid in parts else empty for cid in range(len(sites))]
     val = [parts[cid][1] if cid in parts else empty for cid in range(len(sites))]
+    targets, pilots = _site_targets(cfg, target_root, classes) if target_root else ({}, {})
     return FederatedData(
         dataset=cfg.dataset.name,
         domains=domains,
@@ -198,16 +211,18 @@ def build_site_data(
         train=train,
         val=val,
         client_domain_counts=counts,
-        targets=_site_targets(cfg, target_root, classes) if target_root else {},
+        targets=targets,
         ood_val={},
         stations=_stations(cfg, len(sites)),
+        pilots=pilots,
     )
 
 
 def _site_targets(
     cfg: ExperimentConfig, root: str, classes: tuple[str, ...]
-) -> dict[str, ClientData]:
-    """The ``split.targets`` domains of a target-set folder, one evaluation set each."""
+) -> tuple[dict[str, ClientData], dict[str, ClientData]]:
+    """The ``split.targets`` domains of a target-set folder: one evaluation set each, and their
+    unlabeled pilot sets (none unless ``split.pilot_fraction``)."""
     target = _load_site(cfg, root, classes)
     test = list(cfg.split.targets or ())
     missing = sorted(set(test) - set(target.domains))
@@ -217,7 +232,11 @@ def _site_targets(
             f"holds {list(target.domains)}"
         )
     inputs, _, eval_tf = _model_inputs(cfg, target)
-    return {d: _subset(inputs, target.labels, target.indices_of(d), eval_tf) for d in test}
+    evaluated, pilots = _set_pilots_aside(cfg, {d: target.indices_of(d) for d in test})
+    return (
+        {d: _subset(inputs, target.labels, i, eval_tf) for d, i in evaluated.items()},
+        {d: _unlabeled(inputs, i, eval_tf) for d, i in pilots.items()},
+    )
 
 
 def _load_site(cfg: ExperimentConfig, root: str, classes: tuple[str, ...]) -> DomainDataset:
@@ -233,6 +252,27 @@ def _subset(
 ) -> ClientData:
     index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
     return ClientData(inputs[index].contiguous(), labels[index].clone(), transform)
+
+
+def _set_pilots_aside(
+    cfg: ExperimentConfig, target_sets: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(evaluated, pilot) indices of every target domain; no pilot sets at pilot_fraction 0.
+    One seed for the run, keyed by domain name inside, so all methods and nodes draw alike."""
+    fraction = cfg.split.pilot_fraction
+    if not fraction:
+        return target_sets, {}
+    seed = derive_seed(cfg.seed, PILOT_SPLIT)
+    pairs = {d: pilot_split(i, fraction, d, seed=seed) for d, i in target_sets.items()}
+    return {d: ev for d, (ev, _) in pairs.items()}, {d: p for d, (_, p) in pairs.items()}
+
+
+def _unlabeled(inputs: torch.Tensor, idx: np.ndarray, transform: BatchAugment | None) -> ClientData:
+    """Images of a pilot set without their labels: these are never copied, so no task can read
+    them (every label is UNLABELED)."""
+    index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    labels = torch.full((len(index),), UNLABELED, dtype=torch.int64)
+    return ClientData(inputs[index].contiguous(), labels, transform)
 
 
 def _stations(cfg: ExperimentConfig, n_clients: int) -> list[np.ndarray] | None:

@@ -3,8 +3,8 @@
 Domain roles: leave-one-domain-out (hFedF, HFedATM, FISC's LODO table) and FISC's
 "train-val-test" letter schemes such as ``ac-p-s`` (train art + cartoon, validate on photo,
 test on sketch). Index splits: a per-client validation hold-out (hfedf.md §2.4), its stratified
-variant, and few-shot target samples per client (hfedf.md §2.6). All are seeded and conserve
-every index exactly once.
+variant, few-shot target samples per client (hfedf.md §2.6), and a target domain's unlabeled
+pilot set (fedvr.md §3.6). All are seeded and conserve every index exactly once.
 """
 
 from __future__ import annotations
@@ -124,6 +124,25 @@ def holdout(
         raise _no_train_left(fraction, indices.size)
     shuffled = stream(seed, "holdout").permutation(indices)
     return np.sort(shuffled[n_val:]), np.sort(shuffled[:n_val])
+
+
+def pilot_split(
+    indices: np.ndarray, fraction: float, domain: str, *, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded (evaluated, pilot) split of target ``domain``: ``round(fraction * n)`` images
+    become its unlabeled pilot set and leave evaluation. Drawn without labels (the pilot is
+    unlabeled) from the seed and the domain's name only, so every method, split and node scores
+    the same remaining images."""
+    indices = _as_index_set(indices, "indices")
+    _check_fraction(fraction)
+    n_pilot = round(fraction * indices.size)
+    if fraction > 0 and not 0 < n_pilot < indices.size:
+        raise ConfigError(
+            f"split.pilot_fraction {fraction} of a target domain's {indices.size} images gives "
+            f"{n_pilot} pilot image(s); it needs at least one, and one left to evaluate"
+        )
+    shuffled = stream(seed, "pilot", domain).permutation(indices)
+    return np.sort(shuffled[n_pilot:]), np.sort(shuffled[:n_pilot])
 
 
 def _aligned_labels(indices: np.ndarray, labels: Sequence[int] | np.ndarray) -> np.ndarray:

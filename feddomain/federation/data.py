@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 Transform = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
+UNLABELED = -1  # the label of every image whose label is withheld (a target's pilot set)
 
 
 @dataclass

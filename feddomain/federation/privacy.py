@@ -26,6 +26,7 @@ import torch
 
 from feddomain.errors import FeddomainError
 from feddomain.federation.messages import Message, Scalar
+from feddomain.federation.topology import PILOT_CID
 
 MODEL, STATISTICS, SCALARS = "model", "statistics", "scalars"
 KINDS = (MODEL, STATISTICS, SCALARS)
@@ -79,14 +80,14 @@ class UploadCheck:
                     else ""
                 )
                 raise PrivacyViolation(
-                    f"{self.method}: client {cid} sent array '{name}' {list(tensor.shape)} "
+                    f"{self.method}: {_sender(cid)} sent array '{name}' {list(tensor.shape)} "
                     f"({reply.task} task), which {problem}; the run is stopped so that nothing "
                     f"undeclared leaves a client{hint}"
                 )
         undeclared = sorted(set(reply.scalars) - set(self.uploads.scalars))
         if undeclared:
             raise PrivacyViolation(
-                f"{self.method}: client {cid} sent undeclared scalar(s) {undeclared} "
+                f"{self.method}: {_sender(cid)} sent undeclared scalar(s) {undeclared} "
                 f"({reply.task} task; declared: {list(self.uploads.scalars)})"
             )
 
@@ -119,6 +120,10 @@ class UploadCheck:
             out[self.kind(name, t)] += t.numel() * t.element_size()
         out[SCALARS] = sum(scalar_nbytes(v) for v in msg.scalars.values())
         return out
+
+
+def _sender(cid: int) -> str:
+    return "the pilot task" if cid == PILOT_CID else f"client {cid}"
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -31,6 +31,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.config import ExperimentConfig
 from feddomain.data.federated import FederatedData
+from feddomain.errors import ConfigError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
 from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
@@ -41,6 +42,8 @@ from feddomain.federation.topology import (
     CLIENT_PRE_ROUND,
     CLIENT_TRAIN,
     INIT,
+    PILOT_CID,
+    PILOT_TASK,
     SERVER,
     derive_seed,
     generator,
@@ -103,6 +106,7 @@ class Simulation:
             self.method.make_station() if self.data.stations is not None else None
         )
         self.states = [Message("state") for _ in range(self.data.n_clients)]
+        self.pilot_sizes = {d: len(s) for d, s in self.data.pilots.items()}  # images per pilot set
         units = len(self.data.stations) if self.data.stations is not None else self.data.n_clients
         self.schedule = sampling_stream(units, cfg.topology.sample_fraction, cfg.rounds, cfg.seed)
         self.make_optimizer = make_optimizer_factory(cfg)
@@ -128,6 +132,7 @@ class Simulation:
             self.round_log.append(record)
             if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
                 t0 = time.perf_counter()
+                self._pilot(rnd)
                 record = {**record, **self.evaluate()}
                 diagnostics = self.server.diagnostics()
                 if diagnostics:
@@ -320,10 +325,76 @@ class Simulation:
                 {"round": 0, "task": "collect", "time": timing, **self._sent(before)}
             )
 
+    # ------------------------------------------------------------------ pilot
+    def _pilot(self, rnd: int) -> None:
+        """Before an evaluation, run the server's pilot task of each target domain on that
+        domain's unlabeled pilot set and hand the finite reply back (``on_pilot``); its bytes
+        are a ``"task": "pilot"`` record of this round in rounds.jsonl."""
+        before, t0, asked = self.ledger.snapshot(), time.perf_counter(), False
+        for domain in self.data.split.test:
+            task = self.server.pilot_task(domain)
+            if task is None:
+                continue
+            asked = True
+            if domain not in self.pilot_sizes:
+                raise ConfigError(
+                    f"{self.spec.name} asks for a pilot set of target {domain!r}, but there is "
+                    "none: set split.pilot_fraction (e.g. 0.1, FedVR's choice)"
+                )
+            reply = self._run_pilot(domain, rnd, task)
+            bad = reply.has_non_finite() + non_finite_scalars(reply)
+            if bad:
+                log.warning("round %d: the pilot task of %s sent non-finite %s", rnd, domain, bad)
+                self.rejected.append({"round": rnd, "client": PILOT_CID, "arrays": bad})
+                continue
+            self.server.on_pilot(domain, reply)
+        if asked:
+            timing = {"train": time.perf_counter() - t0, "aggregate": 0.0, "evaluate": 0.0}
+            self.round_log.append(
+                {"round": rnd, "task": "pilot", "time": timing, **self._sent(before)}
+            )
+
+    def _run_pilot(self, domain: str, rnd: int, msg: Message) -> Message:
+        """A pilot task as the server sees it, like ``_run_client``: its reply is held against
+        the privacy declaration (sender ``PILOT_CID``; one row per pilot image is per-sample
+        data) and its bytes are counted."""
+        self.ledger.add("down", self.upload_check.message_bytes(msg))
+        reply = self.execute_pilot(domain, rnd, msg)
+        self.upload_check.check(PILOT_CID, reply, self.pilot_sizes[domain])
+        self.ledger.add("up", self.upload_check.message_bytes(reply))
+        return reply
+
+    def execute_pilot(self, domain: str, rnd: int, msg: Message) -> Message:
+        """Run the client part on ``domain``'s pilot set (the client side; on Flower, a node
+        holding the target set runs this)."""
+        keys = (PILOT_TASK, rnd, self.data.split.test.index(domain))
+        torch.manual_seed(derive_seed(self.cfg.seed, *keys))
+        ctx = self._pilot_context(domain, rnd, generator(self.cfg.seed, *keys))
+        return self.client.run(msg.copy(), ctx).copy()
+
+    def _pilot_context(self, domain: str, rnd: int, gen: torch.Generator) -> ClientContext:
+        """A context whose data is the pilot set (labels withheld: all UNLABELED), with no
+        validation data and a fresh state: no client's data or state is in reach."""
+        pilot = self.data.pilots[domain]
+        return ClientContext(
+            cid=PILOT_CID,
+            rnd=rnd,
+            model=self.model,
+            train=pilot,
+            val=ClientData(pilot.inputs[:0], pilot.labels[:0], pilot.transform),
+            state=Message("state"),
+            generator=gen,
+            local_epochs=self.cfg.train.local_epochs,
+            batch_size=self.cfg.train.batch_size,
+            make_optimizer=self.make_optimizer,
+            grad_clip=self.cfg.train.grad_clip,
+        )
+
     # --------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
         """id accuracy per client on its own validation split with the model it would use; ood
-        accuracy of the same models on every target domain. One shared model is scored once."""
+        accuracy of the same models on every target domain (one shared model is scored once),
+        and of the method's unseen-domain model if it has one."""
         by_model: dict[int, tuple[dict[str, EvalResult], dict[str, EvalResult]]] = {}
         keep = []  # hold references so id() stays unique while grouping
         id_results: list[EvalResult | None] = []
@@ -338,7 +409,20 @@ class Simulation:
             ood, ood_val = by_model[id(arrays)]
             ood_per_client.append(ood)
             ood_val_per_client.append(ood_val)
-        return _summarise_eval(id_results, ood_per_client, ood_val_per_client, len(by_model))
+        return _summarise_eval(
+            id_results, ood_per_client, ood_val_per_client, len(by_model), self.unseen_scores()
+        )
+
+    def unseen_scores(self) -> dict[str, EvalResult] | None:
+        """The method's unseen-domain model (``server.eval_arrays(None)``) on every target
+        domain; None when it has none."""
+        offered = self.server.eval_arrays(None)
+        return None if offered is None else self.score_unseen(offered)
+
+    def score_unseen(self, arrays: Arrays) -> dict[str, EvalResult]:
+        """``arrays`` on every target domain, loaded as given (no client chooses its model)."""
+        set_arrays(self.model, arrays)
+        return {d: self.score(s) for d, s in self.data.targets.items()}
 
     def load_eval_model(self, cid: int, offered: Arrays | None) -> Arrays:
         """Load the model client ``cid`` would use, given the server's offer, into the shared
@@ -388,6 +472,7 @@ class Simulation:
             "per_domain": chosen["per_domain"],
             "worst_domain_acc": chosen["worst_domain_acc"],
             "per_client": chosen["per_client"],
+            **({"client_ood_acc": chosen["client_ood_acc"]} if "client_ood_acc" in chosen else {}),
             "final": {k: final.get(k) for k in (*headline, "per_domain")},
             "reliability": {"ood": chosen["calibration"]["reliability"]},
             "confidence_hist": chosen["calibration"]["confidence_hist"],
@@ -458,24 +543,30 @@ def _summarise_eval(
     ood: list[dict[str, EvalResult]],
     ood_val: list[dict[str, EvalResult]],
     distinct_models: int,
+    unseen: dict[str, EvalResult] | None = None,
 ) -> dict[str, Any]:
     """Run-level numbers: unweighted means over clients (hFedF §2.5), plus spreads. A client
     with no ood results (a site of a Flower run without the target set) is left out of the ood
-    means; if no client has any, the ood numbers are None."""
+    means; if no client has any, the ood numbers are None. With the scores of an unseen-domain
+    model (``unseen``), the run-level ood numbers are that model's; the clients' stay in
+    ``per_client.ood_acc`` and their mean in ``client_ood_acc``."""
     scored = [c for c in ood if c]
-    domains = list(scored[0]) if scored else []
-    per_client_ood = [float(np.mean([c[d].acc for d in domains])) if c else None for c in ood]
+    targets = list(scored[0]) if scored else []
+    per_client_ood = [float(np.mean([c[d].acc for d in targets])) if c else None for c in ood]
     ood_accs = [a for a in per_client_ood if a is not None]
-    per_domain = {d: float(np.mean([c[d].acc for c in scored])) for d in domains}
+    models = [unseen] if unseen else scored  # what the run-level ood numbers score
+    domains = list(models[0]) if models else []
+    model_accs = [float(np.mean([c[d].acc for d in domains])) for c in models]
+    per_domain = {d: float(np.mean([c[d].acc for c in models])) for d in domains}
     worst_name, worst_acc = worst_domain(per_domain) if per_domain else (None, None)
     ids = [r.acc for r in id_results if r is not None]
-    pooled_ood = [c[d] for c in scored for d in domains]
+    pooled_ood = [c[d] for c in models for d in domains]
     out: dict[str, Any] = {
         "id_acc": float(np.mean(ids)) if ids else None,
-        "ood_acc": float(np.mean(ood_accs)) if ood_accs else None,
-        "ood_ece": _mean_over(scored, "ece"),
-        "ood_nll": _mean_over(scored, "nll"),
-        "ood_brier": _mean_over(scored, "brier"),
+        "ood_acc": float(np.mean(model_accs)) if model_accs else None,
+        "ood_ece": _mean_over(models, "ece"),
+        "ood_nll": _mean_over(models, "nll"),
+        "ood_brier": _mean_over(models, "brier"),
         "per_domain": per_domain,
         "worst_domain": worst_name,
         "worst_domain_acc": worst_acc,
@@ -500,6 +591,8 @@ def _summarise_eval(
         out["ood_val_acc"] = float(
             np.mean([np.mean([r.acc for r in c.values()]) for c in val_scored])
         )
+    if unseen:
+        out["client_ood_acc"] = float(np.mean(ood_accs)) if ood_accs else None
     return out
 
 

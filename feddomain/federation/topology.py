@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SAMPLING, CLIENT_TRAIN, SERVER, INIT, CLIENT_PRE_ROUND = range(5)
-VAL_SPLIT, FEW_SHOT = 101, 102  # data-layer draws: per-client validation split, few-shot picks
+SAMPLING, CLIENT_TRAIN, SERVER, INIT, CLIENT_PRE_ROUND, PILOT_TASK = range(6)
+# data-layer draws: per-client validation split, few-shot picks, target pilot sets
+VAL_SPLIT, FEW_SHOT, PILOT_SPLIT = 101, 102, 103
 
 
 def derive_seed(seed: int, *keys: int) -> int:

@@ -10,7 +10,10 @@ the node's ``Context.state`` between messages (and on its disk with ``state-dir`
 ``node_state``), never in the server.
 
 Message types: ``query`` (describe the data this node holds), ``train`` (any task of the method:
-"fit", "collect", ...; the task name travels in the envelope) and ``evaluate``.
+"fit", "collect", ...; the task name travels in the envelope) and ``evaluate``. A ``train``
+message whose envelope names a ``pilot`` domain runs the method's pilot task on that target's
+unlabeled pilot set, and an ``evaluate`` message marked ``unseen`` scores the server's
+unseen-domain model on the target set; both go to nodes holding the target set only.
 """
 
 from __future__ import annotations
@@ -122,6 +125,15 @@ class NodeRunner:
             "val": results_to_json(held_out_val),
         }
 
+    def run_pilot(self, envelope: dict[str, Any], msg: Message) -> Message:
+        """The pilot task of target ``envelope["pilot"]``, as the simulator runs it: on the
+        unlabeled pilot set this node holds, touching no client's state."""
+        return self.sim.execute_pilot(str(envelope["pilot"]), int(envelope["rnd"]), msg)
+
+    def evaluate_unseen(self, arrays: Arrays) -> dict[str, Any]:
+        """The server's unseen-domain model on this node's target set."""
+        return {"ood": results_to_json(self.sim.score_unseen(arrays))}
+
     def _state(self, cid: int, envelope: dict[str, Any], context: Context) -> Message:
         """The client's state: from ``Context.state`` within a Flower run; in the first message
         of a resumed run, from the node's disk copy as of the checkpoint resumed from."""
@@ -157,6 +169,7 @@ class NodeRunner:
             "sites": self.sites,
             "own_counts": json.dumps(own),
             "target_sizes": json.dumps({d: len(s) for d, s in data.targets.items()}),
+            "pilot_sizes": json.dumps({d: len(s) for d, s in data.pilots.items()}),
             "n_splits": self.n_splits,
             "n_clients": data.n_clients,
             "dataset": data.dataset,
@@ -212,6 +225,8 @@ def train(message: FlowerMessage, context: Context) -> FlowerMessage:
     msg, envelope = from_content(message.content)
     runner = node_runner(envelope, dict(context.node_config))
     cid = _client(runner, envelope, context)
+    if envelope.get("pilot"):
+        return FlowerMessage(to_content(runner.run_pilot(envelope, msg)), reply_to=message)
     reply = runner.run(cid, envelope, msg, context)
     state = runner.sim.states[cid]
     stateful = bool(state.arrays or state.scalars)  # the server notes who must be restored
@@ -223,6 +238,9 @@ def evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     msg, envelope = from_content(message.content)
     runner = node_runner(envelope, dict(context.node_config))
     cid = _client(runner, envelope, context)
+    if envelope.get("unseen"):
+        result = runner.evaluate_unseen(msg.arrays)
+        return FlowerMessage(RecordDict({ENVELOPE: ConfigRecord(result)}), reply_to=message)
     offered = msg.arrays if envelope["has_model"] else None
     result = runner.evaluate(cid, envelope, offered, context)
     return FlowerMessage(RecordDict({ENVELOPE: ConfigRecord(result)}), reply_to=message)

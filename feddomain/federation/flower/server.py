@@ -32,11 +32,12 @@ from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid, ServerApp
 
 import feddomain
-from feddomain.algorithms.base import Plan
+from feddomain.algorithms.base import Arrays, Plan
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.data.federated import FederatedData
 from feddomain.data.splits import DomainSplit
 from feddomain.errors import FeddomainError
+from feddomain.evaluation.metrics import EvalResult
 from feddomain.federation.data import ClientData
 from feddomain.federation.flower.client import DESCRIBE, EVALUATE, TRAIN
 from feddomain.federation.flower.records import (
@@ -81,6 +82,8 @@ class NodeLink:
         self.settings = settings
         self.config_json = json.dumps(cfg.to_dict())
         self.nodes: dict[int, int] = {}  # client id -> SuperNode id
+        self.target_clients: list[int] = []  # clients whose SuperNode holds the target set
+        self.pilot_sizes: dict[str, int] = {}  # images in each target's pilot set
         self.lost: list[dict[str, Any]] = []
         self.gone: dict[int, int] = {}  # client id -> round in which it timed out
 
@@ -179,6 +182,7 @@ def discover(link: NodeLink, split_index: int) -> Federation:
             _map_clients(link, infos)
         reference = next(iter(infos.values()), None)
         if reference is not None and len(link.nodes) == reference["n_clients"]:
+            _note_target_holders(link, infos)
             if reference["sites"]:
                 return Federation(_site_shell(reference, infos, link.nodes), 1)
             return Federation(_shell_data(reference), int(reference["n_splits"]))
@@ -251,6 +255,19 @@ def _map_clients(link: NodeLink, infos: dict[int, dict[str, Any]]) -> None:
                 "give each node its own partition-id"
             )
         link.nodes[cid] = node
+
+
+def _note_target_holders(link: NodeLink, infos: dict[int, dict[str, Any]]) -> None:
+    """The clients whose node holds the target set (every node, unless the federation is
+    sites), where pilot tasks run and the unseen-domain model is scored, and the pilot sizes."""
+    holders = {
+        cid: infos[node]
+        for cid, node in sorted(link.nodes.items())
+        if json.loads(str(infos[node]["target_sizes"]))
+    }
+    link.target_clients = list(holders)
+    first = next(iter(holders.values()), None)
+    link.pilot_sizes = json.loads(str(first["pilot_sizes"])) if first else {}
 
 
 def _shell_data(info: dict[str, Any]) -> FederatedData:
@@ -333,6 +350,7 @@ class FlowerRunner(Simulation):
         self.restored_stateful: set[int] = set()
         self._replies: dict[int, Message] = {}
         self._rnd = 0
+        self.pilot_sizes = dict(link.pilot_sizes)
 
     def _round(self, rnd: int) -> dict[str, Any]:
         self._rnd = rnd
@@ -389,9 +407,35 @@ class FlowerRunner(Simulation):
         ``_run_client`` then checks it against the privacy declaration and counts its bytes."""
         return self._replies.pop(cid)
 
+    def execute_pilot(self, domain: str, rnd: int, msg: Message) -> Message:
+        """The pilot task's reply from a node holding the target set; the simulator's
+        ``_run_pilot`` then checks it against the privacy declaration and counts its bytes."""
+        reply, _ = from_content(self._at_target(TRAIN, msg, rnd, pilot=domain))
+        return reply
+
+    def score_unseen(self, arrays: Arrays) -> dict[str, EvalResult]:
+        """The unseen-domain model, scored where the target set is."""
+        msg = Message("evaluate", arrays)
+        content = self._at_target(EVALUATE, msg, self._rnd, has_model=True, unseen=True)
+        return results_from_json(str(content.config_records[ENVELOPE]["ood"]))
+
+    def _at_target(self, kind: str, msg: Message, rnd: int, **extra: Any) -> RecordDict:
+        """The reply to ``msg`` (envelope plus ``extra``) of the first node holding the target
+        set that answers, addressed as its client; a lost node is logged and the next asked."""
+        for cid in self.link.target_clients:
+            content = to_content(msg, **self._envelope(cid, rnd), **extra)
+            replies = self.link.exchange(kind, [(cid, content)], rnd, required=0)
+            if cid in replies:
+                return replies[cid]
+        raise FeddomainError(
+            f"{kind} round {rnd}: no SuperNode holding the target set answered (those of "
+            f"clients {self.link.target_clients})"
+        )
+
     def evaluate(self) -> dict[str, Any]:
         """Each node scores the model its client would use; one shared model is scored on the
-        target domains by every node but counted once, as in the simulator."""
+        target domains by every node but counted once, as in the simulator. The unseen-domain
+        model, if the method has one, is scored by a node holding the target set."""
         offers = {cid: self.server.eval_arrays(cid) for cid in range(self.data.n_clients)}
         items = []
         for cid, arrays in offers.items():
@@ -418,6 +462,7 @@ class FlowerRunner(Simulation):
             [ood for ood, _ in per_client],
             [val for _, val in per_client],
             len(set(models.values())),
+            self.unseen_scores(),
         )
 
     def _save(self, rnd: int, elapsed: float) -> None:
