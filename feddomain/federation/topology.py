@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 SAMPLING, CLIENT_TRAIN, SERVER, INIT = range(4)
+CLIENT_PRE_ROUND = 4  # a client's answer to its station's pre-round task
 VAL_SPLIT, FEW_SHOT = 101, 102  # data-layer draws: per-client validation split, few-shot picks
 
 

@@ -96,7 +96,9 @@ class NodeRunner:
         in the node's ``Context.state`` (and on disk with ``state-dir``)."""
         rnd = int(envelope["rnd"])
         self.sim.states[cid] = self._state(cid, envelope, context)
-        reply = self.sim.execute(cid, rnd, msg, int(envelope["station_round"]))
+        reply = self.sim.execute(
+            cid, rnd, msg, int(envelope["station_round"]), int(envelope["purpose"])
+        )
         state = self.sim.states[cid]
         store_state(context.state, self.state_key(cid), state)
         store = self._store(cid, envelope, context)

@@ -49,6 +49,7 @@ from feddomain.federation.flower.records import (
 from feddomain.federation.flower.settings import FlowerSettings
 from feddomain.federation.messages import Message
 from feddomain.federation.simulation import Simulation, _summarise_eval
+from feddomain.federation.topology import CLIENT_TRAIN
 
 log = logging.getLogger("feddomain")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
@@ -337,11 +338,14 @@ class FlowerRunner(Simulation):
         self._rnd = rnd
         return super()._round(rnd)
 
-    def _envelope(self, cid: int, rnd: int, station_round: int = 0) -> dict[str, Any]:
+    def _envelope(
+        self, cid: int, rnd: int, station_round: int = 0, purpose: int = CLIENT_TRAIN
+    ) -> dict[str, Any]:
         return {
             "cid": cid,
             "rnd": rnd,
             "station_round": station_round,
+            "purpose": purpose,
             "split": self.split_index,
             "config": self.link.config_json,
             "run_key": self.run_key,
@@ -351,15 +355,24 @@ class FlowerRunner(Simulation):
         }
 
     def _deliver(
-        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int
+        self,
+        rnd: int,
+        plan: Plan,
+        timing: dict[str, float],
+        station_round: int,
+        purpose: int = CLIENT_TRAIN,
     ) -> Iterator[tuple[int, Message]]:
         """Send the plan to the nodes — a fixed plan all at once, a lazy (sequential) plan one
         client at a time — and pass on the clients that replied; the simulator's loop then
-        takes each reply from ``execute``."""
+        takes each reply from ``execute``. A station's tasks (its pre-round task, its station
+        rounds) go to the nodes here like the server's."""
         batches = [list(plan.items())] if isinstance(plan, Mapping) else ([i] for i in plan)
         for batch in batches:
             t0 = time.perf_counter()
-            items = [(c, to_content(m, **self._envelope(c, rnd, station_round))) for c, m in batch]
+            items = [
+                (c, to_content(m, **self._envelope(c, rnd, station_round, purpose)))
+                for c, m in batch
+            ]
             # a sequential method skips a lost client instead of failing the round
             required = None if isinstance(plan, Mapping) else 0
             replies = self.link.exchange(TRAIN, items, rnd, required=required)
@@ -370,7 +383,14 @@ class FlowerRunner(Simulation):
                     (self.stateful.add if envelope["stateful"] else self.stateful.discard)(cid)
                     yield cid, msg
 
-    def execute(self, cid: int, rnd: int, msg: Message, station_round: int = 0) -> Message:
+    def execute(
+        self,
+        cid: int,
+        rnd: int,
+        msg: Message,
+        station_round: int = 0,
+        purpose: int = CLIENT_TRAIN,
+    ) -> Message:
         """The reply the client's node sent (``_exchanged`` fetched it); the simulator's
         ``_run_client`` then checks it against the privacy declaration and counts its bytes."""
         return self._replies.pop(cid)
