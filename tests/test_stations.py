@@ -65,7 +65,7 @@ class ProbeClient(FedAvgClient):
             value = stat_of(len(ctx.train), ctx.cid, ctx.rnd, r, ctx.generator)
             return Message("report", {"stat": torch.tensor([value], dtype=torch.float64)})
         state = ctx.state.scalars
-        state["heard"] = [*state.get("heard", []), float(msg.scalars["mean"])]
+        state["heard"] = [*state.get("heard", []), float(msg.scalars.get("mean", -1.0))]
         state["seen"] = sorted({*state.get("seen", []), *msg.scalars, *msg.arrays})
         return super().run(msg, ctx)
 
@@ -131,7 +131,7 @@ class ProbeServer(FedAvgServer):
 
     def diagnostics(self) -> dict[str, Any]:
         last = self.heard[-1]
-        return {k: [last[s]["scalars"][k] for s in sorted(last)] for k in ("steps", "ema")}
+        return {k: [last[s]["scalars"].get(k) for s in sorted(last)] for k in ("steps", "ema")}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "heard": self.heard}
