@@ -32,11 +32,12 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.cli import main
+from feddomain.config import ExperimentConfig
 from feddomain.evaluation.report import build_report
 from feddomain.federation import checkpoint
 from feddomain.federation.flower.records import load_state
 from feddomain.federation.messages import Message
-from feddomain.federation.privacy import Uploads
+from feddomain.federation.privacy import PrivacyViolation, Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_PRE_ROUND, generator
 from tests.engine_helpers import run_sim, tiny_config, tiny_federation
@@ -154,7 +155,7 @@ def probe() -> Iterator[None]:
         del METHODS[PROBE]
 
 
-def probe_config(**overrides: object):
+def probe_config(**overrides: object) -> ExperimentConfig:
     """5 clients in stations [0, 1, 2] and [3, 4] (60 and 49 training samples)."""
     return tiny_config(
         **{
@@ -240,6 +241,18 @@ def test_a_pre_round_task_reaches_the_clients_and_its_mean_comes_back_down(probe
         for cid in station.ctx.clients:
             expected = [means[sid, rnd, r] for rnd in (1, 2) for r in range(R)]
             assert sim.states[cid].scalars["heard"] == expected, cid
+
+
+def test_a_reply_to_a_station_is_held_against_the_privacy_declaration(probe, tmp_path):
+    """Catches: replies to a station's task bypassing the privacy check that server tasks get."""
+
+    class Undeclared(ProbeClient):
+        def uploads(self, n_clients: int) -> Uploads:
+            return Uploads(("*",), {}, ("num_examples", "loss"))
+
+    METHODS[PROBE] = replace(SPEC, client=Undeclared)
+    with pytest.raises(PrivacyViolation, match=r"client 0 sent array 'stat' \[1\] \(report task"):
+        run_sim(probe_config(), tmp_path / "run")
 
 
 def test_a_non_finite_station_uplink_is_rejected_and_the_round_goes_on(probe, tmp_path):
