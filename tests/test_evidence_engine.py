@@ -389,17 +389,20 @@ def test_stations_weight_by_samples_at_both_tiers(tmp_path):
     sim = Simulation(cfg, fed, tmp_path)
     server_seen = _spy_aggregate(sim)
     client_replies: list[tuple[int, Message]] = []
-    station_aggregate = sim.station.aggregate
 
-    def spy(replies):
-        def tee():
-            for cid, msg in replies:
-                client_replies.append((cid, msg.copy()))
-                yield cid, msg
+    def spy(station_aggregate):
+        def aggregate(rnd, r, replies):
+            def tee():
+                for cid, msg in replies:
+                    client_replies.append((cid, msg.copy()))
+                    yield cid, msg
 
-        return station_aggregate(tee())
+            return station_aggregate(rnd, r, tee())
 
-    sim.station.aggregate = spy
+        return aggregate
+
+    for station in sim.stations:
+        station.aggregate = spy(station.aggregate)
     sim.run()
     assert [c for c, _ in client_replies] == [0, 1, 2]
     stations = server_seen[0][2]
@@ -697,6 +700,8 @@ def test_a_round_with_every_update_rejected_keeps_the_model_and_completes(tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [r["round"] for r in sim.records] == [1, 2]
     assert len(summary["rejected_updates"]) == 6
-    assert summary["bytes_up"] == sum(
-        sum(v.numel() * v.element_size() for v in init.values()) for _ in range(6)
-    )  # client -> station/server traffic only: no station reply was sent
+    model_bytes = sum(v.numel() * v.element_size() for v in init.values())
+    client_link = summary["links"]["client-station" if stations else "client-server"]
+    assert client_link["up"]["model"] == 6 * model_bytes  # every client still sent its model
+    if stations:  # ... but no station reply went up to the server
+        assert summary["links"]["station-server"]["up"]["model"] == 0

@@ -632,22 +632,12 @@ class _InfFromClient1(FedAvgClient):
         return reply
 
 
-@contextmanager
-def test_method(name: str, client: type) -> Iterator[None]:
-    """A method defined by a test, registered while the block runs (nodes run in-process)."""
-    register(MethodSpec(name, FedAvgServer, client, FedAvgHparams))
-    try:
-        yield
-    finally:
-        del METHODS[name]
-
-
 def test_an_undeclared_upload_stops_a_deployed_run_by_name(
     tmp_path: Path, task_identity: None
 ) -> None:
     """Catches: the privacy check running in the simulator only, not on replies from nodes."""
     with (
-        test_method("_leaks_labels", _LeaksLabels),
+        registered(MethodSpec("_leaks_labels", FedAvgServer, _LeaksLabels, FedAvgHparams)),
         pytest.raises(
             PrivacyViolation,
             match=r"_leaks_labels: client 0 sent array 'labels' \[\d+\].*one row per training",
@@ -661,7 +651,7 @@ def test_infinite_updates_from_a_node_are_rejected_and_the_run_goes_on(
     tmp_path: Path, task_identity: None
 ) -> None:
     """Catches: +Inf/-Inf from a deployed client reaching the average (only NaN was tested)."""
-    with test_method("_inf", _InfFromClient1):
+    with registered(MethodSpec("_inf", FedAvgServer, _InfFromClient1, FedAvgHparams)):
         cfg = demo_config("algorithm.name=_inf")
         deploy_loopback(cfg, tmp_path / "flower")
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())

@@ -11,9 +11,9 @@ Round protocol, as the runner executes it::
     server.on_collect(replies)
     for each round:
         [server.pre_round(rnd, participants) -> Plan; client.run; server.on_pre_round(...)]
-        server.configure(rnd, sampled) -> {cid: Message}     # "fit" tasks
+        server.configure(rnd, sampled) -> {cid: Message}     # "fit" tasks (to sampled stations
+                                                             # in hierarchical topologies)
         client.run(msg, ctx)           -> Message           # trains; returns update + num_examples
-        [station.aggregate(replies)    -> Message]          # hierarchical topologies only
         server.aggregate(rnd, replies)
     evaluation, for each target domain d with a pilot task:
         server.pilot_task(d)    -> Message | None
@@ -21,6 +21,17 @@ Round protocol, as the runner executes it::
         server.on_pilot(d, reply)
     then server.eval_arrays(cid) -> arrays | None, client.eval_arrays(arrays, ctx) per client,
     and server.eval_arrays(None) -> the unseen-domain model, if the method has one
+
+With stations, each sampled station s stands between the server and its clients::
+
+        station[s].begin(rnd, msg)                           # the server's message
+        for r in range(station_rounds):
+            [station[s].pre_round(rnd, r, clients) -> Plan]  # optional task, replies to
+            [client.run(...); station[s].on_pre_round(...)]  #   on_pre_round
+            station[s].downlink(rnd, r)  -> Message          # what its clients receive
+            client.run(msg, ctx)         -> Message
+            station[s].aggregate(rnd, r, replies)
+        station[s].uplink(rnd)           -> Message | None   # its reply to the server
 
 Every client reply is checked against the client part's ``uploads()`` declaration (the privacy
 contract, ``federation/privacy.py``) before the server sees it.
@@ -225,18 +236,68 @@ class ClientAlgorithm(ABC):
         return arrays
 
 
+@dataclass(frozen=True)
+class StationContext:
+    """What a station part may know: which station it is, its clients, and the run's shape."""
+
+    sid: int
+    clients: tuple[int, ...]  # its member clients, sorted
+    station_rounds: int
+    seed: int
+
+
 class StationAlgorithm:
-    """Middle tier of a hierarchical federation: sample-weighted mean of its clients (HFedAvg)."""
+    """One station of a hierarchical federation (client -> station -> server); the runner builds
+    one per station and keeps it for the whole run (checkpointed with ``state_dict``).
 
-    def __init__(self, hp: Hparams) -> None:
+    In each server round ``rnd`` the station receives the server's message (``begin``), runs
+    ``station_rounds`` station rounds r over its clients — an optional ``pre_round`` task whose
+    replies go to ``on_pre_round``, then ``downlink`` to every client and their replies into
+    ``aggregate`` — and finally sends ``uplink`` to the server. What its clients receive and what
+    the server receives are separate hooks. The default is HFedAvg: the clients get the server's
+    message, then the station's sample-weighted mean, which is also what goes up.
+    """
+
+    def __init__(self, ctx: StationContext, hp: Hparams) -> None:
+        self.ctx = ctx
         self.hp = hp
+        self.current = Message()  # the server's message, then the latest aggregate (this round)
 
-    def aggregate(self, replies: Iterator[tuple[int, Message]]) -> Message | None:
-        """The station model for the server; ``None`` when no client reply was accepted."""
+    def begin(self, rnd: int, msg: Message) -> None:
+        """Receive the server's message for round ``rnd`` (a copy the station owns)."""
+        self.current = msg
+
+    def pre_round(self, rnd: int, r: int, clients: list[int]) -> Plan | None:
+        """A task for ``clients`` before station round ``r`` (none by default), e.g. a statistic
+        to collect; the accepted replies go to ``on_pre_round``."""
+        return None
+
+    def on_pre_round(self, rnd: int, r: int, replies: dict[int, Message]) -> None:
+        """Receive the accepted replies of the ``pre_round`` task of station round ``r``."""
+
+    def downlink(self, rnd: int, r: int) -> Message:
+        """What every client of the station receives for station round ``r``."""
+        return self.current
+
+    def aggregate(self, rnd: int, r: int, replies: Iterator[tuple[int, Message]]) -> None:
+        """Fold the accepted (finite) replies of station round ``r``, which arrive lazily as
+        (client id, message) pairs. A station round with no accepted reply ends the station's
+        part of the round: it sends nothing to the server."""
         arrays, total = weighted_mean(msg for _, msg in replies)
-        if arrays is None:
-            return None
-        return Message("fit", arrays, {"num_examples": total})
+        if arrays is not None:
+            self.current = Message("fit", arrays, {"num_examples": total})
+
+    def uplink(self, rnd: int) -> Message | None:
+        """What goes to the server after the last station round (``None``: nothing)."""
+        return self.current
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the station keeps across rounds (nothing by default: each round starts afresh
+        from the server's message)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` when a run resumes from a checkpoint."""
 
 
 ModelHook = Callable[[nn.Module, Hparams], nn.Module]
@@ -286,8 +347,8 @@ class Method:
     def make_client(self) -> ClientAlgorithm:
         return self.client_spec.client(self.client_hp)
 
-    def make_station(self) -> StationAlgorithm:
-        return self.spec.station(self.hp)
+    def make_station(self, ctx: StationContext) -> StationAlgorithm:
+        return self.spec.station(ctx, self.hp)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Apply the client method's model hook, then the aggregator's (when they differ)."""

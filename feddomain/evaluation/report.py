@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 
 from feddomain.errors import ConfigError, DataError
 from feddomain.evaluation.selection import RULES, select
-from feddomain.federation.privacy import KINDS
+from feddomain.federation.privacy import CLIENT_SERVER, KINDS
 
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
 METRICS = ("ood_acc", "id_acc", "ood_ece")
@@ -135,33 +135,35 @@ class Report:
         return lines
 
     def _communication(self, dataset: str) -> list[str]:
-        """What crossed the wire per round, by direction and kind (the privacy ledger), mean
-        over the method's runs; one-time tasks before round 1 are spread over the rounds."""
-        by_method: dict[str, list[dict]] = {}
+        """What crossed the wire per round, by link, direction and kind (the privacy ledger),
+        mean over the method's runs; one-time tasks before round 1 are spread over the rounds.
+        A run with stations has one row per link."""
+        by_row: dict[str, list[dict]] = {}
         for run in self.runs:
-            ledger = run.summary.get("ledger")
-            if run.dataset == dataset and isinstance(ledger, dict):
-                per_round = {
-                    d: {k: ledger[d][k] / max(int(run.summary["rounds"]), 1) for k in KINDS}
-                    for d in ("down", "up")
-                }
-                by_method.setdefault(run.algorithm, []).append(per_round)
-        if not by_method:
+            if run.dataset != dataset:
+                continue
+            rounds = max(int(run.summary["rounds"]), 1)
+            for link, ledger in _links(run.summary).items():
+                row = run.algorithm if link == CLIENT_SERVER else f"{run.algorithm} ({link})"
+                per_round = {d: {k: ledger[d][k] / rounds for k in KINDS} for d in ("down", "up")}
+                by_row.setdefault(row, []).append(per_round)
+        if not by_row:
             return []
         columns = [(d, k) for d in ("down", "up") for k in KINDS]
         lines = [
             "",
             f"## {dataset} — communication per round (KiB, mean over runs)",
             "",
-            "down: server to clients; up: clients to server. model: arrays shaped like the "
-            "model's; statistics: any other array; scalars: 8 bytes per number.",
+            "down: toward the clients; up: toward the server; a run with stations has a row per "
+            "link (client-station, station-server). model: arrays shaped like the model's; "
+            "statistics: any other array; scalars: 8 bytes per number.",
             "",
             "| method | " + " | ".join(f"{d} {k}" for d, k in columns) + " |",
             "|---" * (len(columns) + 1) + "|",
         ]
-        for method, runs in sorted(by_method.items()):
+        for row, runs in sorted(by_row.items()):
             cells = [np.mean([r[d][k] for r in runs]) / 1024 for d, k in columns]
-            lines.append(f"| {method} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
+            lines.append(f"| {row} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
         return lines
 
     def rows(self) -> list[dict]:
@@ -179,6 +181,15 @@ class Report:
                 row[m], row[f"{m}_std"] = g.stats[m].mean, g.stats[m].std
             rows.append(row)
         return rows
+
+
+def _links(summary: dict) -> dict[str, dict]:
+    """Bytes by link; a run written before links were counted has one ledger, the flat link."""
+    links = summary.get("links")
+    if isinstance(links, dict):
+        return links
+    ledger = summary.get("ledger")
+    return {CLIENT_SERVER: ledger} if isinstance(ledger, dict) else {}
 
 
 def _base_row(kind: str, algorithm: str, dataset: str, target: str, selection: str) -> dict:

@@ -10,9 +10,11 @@ client and the array. A statistic can never carry one row per training sample: i
 fixed by the declaration, and a free (``None``) leading dimension equal to the client's sample
 count is refused as per-sample data.
 
-Bytes are counted by kind: an array named like one of the model's arrays, with its shape, is
-``model``; any other array is ``statistics``; scalars are ``scalars`` (8 bytes per number or
-boolean, UTF-8 length for strings, summed over lists: what a compact binary encoding sends).
+Bytes are counted per link (``client-server``; with stations ``client-station`` and
+``station-server``), by direction and kind: an array named like one of the model's arrays, with
+its shape, is ``model``; any other array is ``statistics``; scalars are ``scalars`` (8 bytes per
+number or boolean, UTF-8 length for strings, summed over lists: what a compact binary encoding
+sends).
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def non_finite_scalars(msg: Message) -> list[str]:
 
 @dataclass
 class Ledger:
-    """Bytes sent down (server -> clients) and up (clients -> server) by kind, totals so far."""
+    """Bytes sent down (toward the clients) and up (toward the server) over one link, by kind,
+    totals so far."""
 
     down: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     up: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -163,3 +166,38 @@ class Ledger:
     def array_bytes(self, direction: str) -> int:
         totals = self.down if direction == "down" else self.up
         return totals[MODEL] + totals[STATISTICS]
+
+
+CLIENT_SERVER, CLIENT_STATION, STATION_SERVER = "client-server", "client-station", "station-server"
+
+
+class Links:
+    """One ``Ledger`` per link of the topology: ``client-server`` in a flat federation;
+    ``client-station`` and ``station-server`` with stations. ``clients`` is the ledger of the
+    link clients talk on, ``server`` that of the link the server talks on (one link when flat)."""
+
+    def __init__(self, hierarchical: bool) -> None:
+        self.client_link = CLIENT_STATION if hierarchical else CLIENT_SERVER
+        self.server_link = STATION_SERVER if hierarchical else CLIENT_SERVER
+        self.ledgers = {name: Ledger() for name in (self.client_link, self.server_link)}
+
+    @property
+    def clients(self) -> Ledger:
+        return self.ledgers[self.client_link]
+
+    @property
+    def server(self) -> Ledger:
+        return self.ledgers[self.server_link]
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+        return {name: ledger.snapshot() for name, ledger in self.ledgers.items()}
+
+    def since(
+        self, before: Mapping[str, Mapping[str, Mapping[str, int]]]
+    ) -> dict[str, dict[str, dict[str, int]]]:
+        """What crossed each link since ``before`` (a ``snapshot()``), by direction and kind."""
+        return {name: ledger.since(before[name]) for name, ledger in self.ledgers.items()}
+
+    def load(self, snapshot: Mapping[str, Mapping[str, Mapping[str, int]]]) -> None:
+        """Continue from a checkpoint's ``snapshot()``."""
+        self.ledgers = {name: Ledger(**snapshot[name]) for name in self.ledgers}

@@ -27,6 +27,7 @@ from feddomain.algorithms.base import (
     Plan,
     ServerContext,
     StationAlgorithm,
+    StationContext,
     plan_items,
 )
 from feddomain.config import ExperimentConfig
@@ -37,7 +38,7 @@ from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
-from feddomain.federation.privacy import Ledger, UploadCheck, non_finite_scalars
+from feddomain.federation.privacy import Ledger, Links, UploadCheck, non_finite_scalars
 from feddomain.federation.topology import (
     CLIENT_PRE_ROUND,
     CLIENT_TRAIN,
@@ -102,9 +103,7 @@ class Simulation:
         self.server = self.method.make_server(
             ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds)
         )
-        self.station: StationAlgorithm | None = (
-            self.method.make_station() if self.data.stations is not None else None
-        )
+        self.stations = self._build_stations()
         self.states = [Message("state") for _ in range(self.data.n_clients)]
         self.pilot_sizes = {d: len(s) for d, s in self.data.pilots.items()}  # images per pilot set
         units = len(self.data.stations) if self.data.stations is not None else self.data.n_clients
@@ -113,13 +112,32 @@ class Simulation:
         self.records: list[dict[str, Any]] = []  # evaluated rounds (metrics.jsonl)
         self.round_log: list[dict[str, Any]] = []  # every round: phase times, bytes (rounds.jsonl)
         self.rejected: list[dict[str, Any]] = []
-        self.ledger = Ledger()  # bytes by direction and kind (privacy.py)
+        self.links = Links(self.data.stations is not None)  # bytes by link, direction, kind
         self.elapsed = 0.0  # wall time of earlier sessions of this run (resume)
 
     def _init_model(self) -> nn.Module:
         """A fresh model with the run's seeded initialisation (the same for every method)."""
         torch.manual_seed(derive_seed(self.cfg.seed, INIT))
         return self._build()
+
+    def _build_stations(self) -> list[StationAlgorithm]:
+        """One station part per station (none in a flat federation), kept for the whole run."""
+        return [
+            self.method.make_station(
+                StationContext(
+                    sid,
+                    tuple(int(c) for c in members),
+                    self.cfg.topology.station_rounds,
+                    self.cfg.seed,
+                )
+            )
+            for sid, members in enumerate(self.data.stations or [])
+        ]
+
+    @property
+    def ledger(self) -> Ledger:
+        """Bytes over the server's own link (the only link of a flat federation)."""
+        return self.links.server
 
     # ------------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:
@@ -157,7 +175,7 @@ class Simulation:
     def _round(self, rnd: int) -> dict[str, Any]:
         units = self.schedule[rnd - 1]
         timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
-        ledger_before = self.ledger.snapshot()
+        ledger_before = self.links.snapshot()
         self._pre_round(rnd, units, timing)
         plan = self.server.configure(rnd, units)
         if self.data.stations is None:
@@ -176,11 +194,18 @@ class Simulation:
             "participants": len(units),
         }
 
-    def _sent(self, before: dict[str, dict[str, int]]) -> dict[str, Any]:
-        """Bytes since ``before``: array payload each way, and the ledger by kind."""
-        ledger = self.ledger.since(before)
+    def _sent(self, before: dict[str, dict[str, dict[str, int]]]) -> dict[str, Any]:
+        """Bytes since ``before`` (a ``links.snapshot()``): over the server's link, the array
+        payload each way and the ledger by kind; ``links``: every link's ledger."""
+        links = self.links.since(before)
+        ledger = links[self.links.server_link]
         arrays = {d: ledger[d]["model"] + ledger[d]["statistics"] for d in ledger}
-        return {"bytes_up": arrays["up"], "bytes_down": arrays["down"], "ledger": ledger}
+        return {
+            "bytes_up": arrays["up"],
+            "bytes_down": arrays["down"],
+            "ledger": ledger,
+            "links": links,
+        }
 
     def _pre_round(self, rnd: int, units: list[int], timing: dict[str, float]) -> None:
         """The server's optional task for this round's participating clients before it
@@ -211,20 +236,31 @@ class Simulation:
             t0 = time.perf_counter()
             reply = self._run_client(cid, rnd, msg, station_round, purpose)
             timing["train"] += time.perf_counter() - t0
-            bad = reply.has_non_finite() + non_finite_scalars(reply)
-            if bad:
-                log.warning(
-                    "round %d: client %d sent non-finite values in %s; update rejected",
-                    rnd,
-                    cid,
-                    bad[:5],
-                )
-                self.rejected.append({"round": rnd, "client": cid, "arrays": bad})
-                continue
-            yield cid, reply
+            if not self._rejected(rnd, "client", cid, reply):
+                yield cid, reply
+
+    def _rejected(self, rnd: int, sender: str, uid: int, msg: Message) -> bool:
+        """Whether ``msg`` holds non-finite values: then it is logged, listed in the summary's
+        ``rejected_updates`` and dropped, and the round goes on without it."""
+        bad = msg.has_non_finite() + non_finite_scalars(msg)
+        if bad:
+            log.warning(
+                "round %d: %s %d sent non-finite values in %s; update rejected",
+                rnd,
+                sender,
+                uid,
+                bad[:5],
+            )
+            self.rejected.append({"round": rnd, sender: uid, "arrays": bad})
+        return bool(bad)
 
     def _deliver(
-        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int, purpose: int
+        self,
+        rnd: int,
+        plan: Plan,
+        timing: dict[str, float],
+        station_round: int,
+        purpose: int = CLIENT_TRAIN,
     ) -> Iterator[tuple[int, Message]]:
         """The planned (client, message) pairs whose task can run now: all of them in-process
         (``execute`` runs each when asked). The Flower runner sends them to the nodes here and
@@ -234,19 +270,41 @@ class Simulation:
     def _station_replies(
         self, rnd: int, plan: Plan, timing: dict[str, float]
     ) -> Iterator[tuple[int, Message]]:
-        """Each station runs R station rounds over its clients, then replies to the server."""
-        assert self.station is not None and self.data.stations is not None
+        """Each planned station runs its round when the server pulls its reply (lazily, as
+        clients do in a flat federation); stations with nothing to send are skipped."""
         for sid, msg in plan_items(plan):
-            members = [int(c) for c in self.data.stations[sid]]
-            current: Message | None = msg
-            for r in range(self.cfg.topology.station_rounds):
-                received = self._client_replies(rnd, dict.fromkeys(members, current), timing, r)
-                current = self.station.aggregate(received)
-                if current is None:  # every client of the station was rejected
-                    break
-            if current is not None:
-                self.ledger.add("up", self.upload_check.message_bytes(current))
-                yield sid, current.copy()
+            reply = self._run_station(sid, rnd, msg, timing)
+            if reply is not None:
+                yield sid, reply
+
+    def _run_station(
+        self, sid: int, rnd: int, msg: Message, timing: dict[str, float]
+    ) -> Message | None:
+        """Station ``sid``'s part of round ``rnd``: the server's message goes down, R station
+        rounds run over its clients, and its uplink comes up (``None``: it sends nothing, or
+        every client reply of a station round was rejected, or the uplink was)."""
+        station = self.stations[sid]
+        self.links.server.add("down", self.upload_check.message_bytes(msg))
+        station.begin(rnd, msg.copy())
+        clients = list(station.ctx.clients)
+        for r in range(self.cfg.topology.station_rounds):
+            task = station.pre_round(rnd, r, clients)
+            if task is not None:
+                replies = self._client_replies(rnd, task, timing, r, CLIENT_PRE_ROUND)
+                station.on_pre_round(rnd, r, dict(replies))
+            accepted = _Counted(
+                self._client_replies(
+                    rnd, dict.fromkeys(clients, station.downlink(rnd, r)), timing, r
+                )
+            )
+            station.aggregate(rnd, r, iter(accepted))
+            if not accepted.n:  # every client of the station was rejected
+                return None
+        up = station.uplink(rnd)
+        if up is None:
+            return None
+        self.links.server.add("up", self.upload_check.message_bytes(up))
+        return None if self._rejected(rnd, "station", sid, up) else up.copy()
 
     def _run_client(
         self,
@@ -256,13 +314,13 @@ class Simulation:
         station_round: int = 0,
         purpose: int = CLIENT_TRAIN,
     ) -> Message:
-        """One client task as the server sees it: the message goes down, the reply comes up and
-        is held against the method's privacy declaration before anything reads it."""
-        self.ledger.add("down", self.upload_check.message_bytes(msg))
+        """One client task as its server (or station) sees it: the message goes down, the reply
+        comes up and is held against the method's privacy declaration before anything reads it."""
+        self.links.clients.add("down", self.upload_check.message_bytes(msg))
         reply = self.execute(cid, rnd, msg, station_round, purpose)
         n_samples = int(self.data.client_domain_counts[cid].sum())
         self.upload_check.check(cid, reply, n_samples)
-        self.ledger.add("up", self.upload_check.message_bytes(reply))
+        self.links.clients.add("up", self.upload_check.message_bytes(reply))
         return reply
 
     def execute(
@@ -273,11 +331,11 @@ class Simulation:
         station_round: int = 0,
         purpose: int = CLIENT_TRAIN,
     ) -> Message:
-        """Run client ``cid``'s part on ``msg`` with its seeded context (the client side); a
-        pre-round task (``purpose`` CLIENT_PRE_ROUND) draws apart from the round's training."""
-        torch.manual_seed(derive_seed(self.cfg.seed, purpose, rnd, cid, station_round))
-        gen = generator(self.cfg.seed, purpose, rnd, cid, station_round)
-        ctx = self._context(cid, rnd, gen, station_round)
+        """Run client ``cid``'s part on ``msg`` with its seeded context (the client side).
+        ``purpose`` keeps the seeds of a pre-round task apart from the round's training."""
+        keys = (purpose, rnd, cid, station_round)
+        torch.manual_seed(derive_seed(self.cfg.seed, *keys))
+        ctx = self._context(cid, rnd, generator(self.cfg.seed, *keys), station_round)
         return self.client.run(msg.copy(), ctx).copy()
 
     def _context(
@@ -317,7 +375,7 @@ class Simulation:
     def _collect(self) -> None:
         plan = self.server.collect(list(range(self.data.n_clients)))
         if plan:
-            before = self.ledger.snapshot()
+            before = self.links.snapshot()
             timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
             delivered = self._deliver(0, plan, timing, 0, CLIENT_TRAIN)
             self.server.on_collect({c: self._run_client(c, 0, m) for c, m in delivered})
@@ -330,7 +388,7 @@ class Simulation:
         """Before an evaluation, run the server's pilot task of each target domain on that
         domain's unlabeled pilot set and hand the finite reply back (``on_pilot``); its bytes
         are a ``"task": "pilot"`` record of this round in rounds.jsonl."""
-        before, t0, asked = self.ledger.snapshot(), time.perf_counter(), False
+        before, t0, asked = self.links.snapshot(), time.perf_counter(), False
         for domain in self.data.split.test:
             task = self.server.pilot_task(domain)
             if task is None:
@@ -338,7 +396,7 @@ class Simulation:
             asked = True
             if domain not in self.pilot_sizes:
                 raise ConfigError(
-                    f"{self.spec.name} asks for a pilot set of target {domain!r}, but there is "
+                    f"{self.method.name} asks for a pilot set of target {domain!r}, but there is "
                     "none: set split.pilot_fraction (e.g. 0.1, FedVR's choice)"
                 )
             reply = self._run_pilot(domain, rnd, task)
@@ -479,6 +537,7 @@ class Simulation:
             "bytes_up": self.ledger.array_bytes("up"),
             "bytes_down": self.ledger.array_bytes("down"),
             "ledger": self.ledger.snapshot(),
+            "links": self.links.snapshot(),
             "rejected_updates": self.rejected,
             "client_domain_counts": self.data.client_domain_counts.tolist(),
             "wall_time_s": round(wall_time, 3),
@@ -500,11 +559,12 @@ class Simulation:
         return {
             "round": rnd,
             "server": self.server.state_dict(),
+            "stations": [s.state_dict() for s in self.stations],
             "states": [(s.arrays, s.scalars) for s in self.states],
             "records": self.records,
             "round_log": self.round_log,
             "rejected": self.rejected,
-            "ledger": self.ledger.snapshot(),
+            "links": self.links.snapshot(),
             "elapsed": elapsed,
         }
 
@@ -524,11 +584,26 @@ class Simulation:
 
     def _load_checkpoint(self, state: dict[str, Any]) -> None:
         self.server.load_state_dict(state["server"])
+        for station, saved in zip(self.stations, state["stations"], strict=True):
+            station.load_state_dict(saved)
         self.states = [Message("state", a, s) for a, s in state["states"]]
         self.records, self.rejected = state["records"], state["rejected"]
         self.round_log = state["round_log"]
-        self.ledger = Ledger(**state["ledger"])
+        self.links.load(state["links"])
         self.elapsed = state["elapsed"]
+
+
+class _Counted:
+    """Replies passed through once, counting them (a station round with none ends early)."""
+
+    def __init__(self, replies: Iterator[tuple[int, Message]]) -> None:
+        self.replies = replies
+        self.n = 0
+
+    def __iter__(self) -> Iterator[tuple[int, Message]]:
+        for item in self.replies:
+            self.n += 1
+            yield item
 
 
 def _then_seed(replies: Iterator[tuple[int, Message]], seed: int) -> Iterator[tuple[int, Message]]:

@@ -13,6 +13,8 @@ import torch
 SAMPLING, CLIENT_TRAIN, SERVER, INIT, CLIENT_PRE_ROUND, PILOT_TASK = range(6)
 # data-layer draws: per-client validation split, few-shot picks, target pilot sets
 VAL_SPLIT, FEW_SHOT, PILOT_SPLIT = 101, 102, 103
+# The client id a pilot task runs under: no client's, so no client's data or state is in reach.
+PILOT_CID = -1
 
 
 def derive_seed(seed: int, *keys: int) -> int:

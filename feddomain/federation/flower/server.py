@@ -373,11 +373,17 @@ class FlowerRunner(Simulation):
         }
 
     def _deliver(
-        self, rnd: int, plan: Plan, timing: dict[str, float], station_round: int, purpose: int
+        self,
+        rnd: int,
+        plan: Plan,
+        timing: dict[str, float],
+        station_round: int,
+        purpose: int = CLIENT_TRAIN,
     ) -> Iterator[tuple[int, Message]]:
         """Send the plan to the nodes — a fixed plan all at once, a lazy (sequential) plan one
         client at a time — and pass on the clients that replied; the simulator's loop then
-        takes each reply from ``execute``."""
+        takes each reply from ``execute``. A station's tasks (its pre-round task, its station
+        rounds) go to the nodes here like the server's."""
         batches = [list(plan.items())] if isinstance(plan, Mapping) else ([i] for i in plan)
         for batch in batches:
             t0 = time.perf_counter()
