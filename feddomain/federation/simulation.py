@@ -196,16 +196,13 @@ class Simulation:
 
     def _sent(self, before: dict[str, dict[str, dict[str, int]]]) -> dict[str, Any]:
         """Bytes since ``before`` (a ``links.snapshot()``): over the server's link, the array
-        payload each way and the ledger by kind; ``links``: every link's ledger."""
+        payload each way and the ledger by kind; with stations, ``links``: every link's ledger
+        (a flat federation has one link, the ledger itself)."""
         links = self.links.since(before)
         ledger = links[self.links.server_link]
         arrays = {d: ledger[d]["model"] + ledger[d]["statistics"] for d in ledger}
-        return {
-            "bytes_up": arrays["up"],
-            "bytes_down": arrays["down"],
-            "ledger": ledger,
-            "links": links,
-        }
+        sent = {"bytes_up": arrays["up"], "bytes_down": arrays["down"], "ledger": ledger}
+        return {**sent, "links": links} if len(links) > 1 else sent
 
     def _pre_round(self, rnd: int, units: list[int], timing: dict[str, float]) -> None:
         """The server's optional task for this round's participating clients before it
