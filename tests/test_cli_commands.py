@@ -10,8 +10,10 @@ import yaml
 from feddomain.cli import main
 
 
-def test_describe_pacs_prints_counts(shared_data, capsys):
-    assert main(["data", "describe", "--dataset", "pacs", "--root", str(shared_data)]) == 0
+def test_describe_pacs_prints_counts_and_the_official_lists_two_flaws(shared_data, capsys):
+    # The images are complete, but the official art_painting crossval list has two flawed lines
+    # (a 0 label in a 1-based list, a repeated file): describe lists them, so it exits with 1.
+    assert main(["data", "describe", "--dataset", "pacs", "--root", str(shared_data)]) == 1
     out = capsys.readouterr().out
     for domain, n in [
         ("art_painting", "2048"),
@@ -20,6 +22,11 @@ def test_describe_pacs_prints_counts(shared_data, capsys):
         ("sketch", "3929"),
     ]:
         assert domain in out and n in out.replace(",", "")
+    text = " ".join(out.split())
+    crossval = shared_data / "PACS" / "splits" / "art_painting_crossval_kfold.txt"
+    assert "2 problem(s):" in text
+    assert f"{crossval}:1: label 0 does not match the class folder of" in text
+    assert f"{crossval}:17: art_painting/dog/pic_248.jpg is listed again" in text
 
 
 def test_describe_missing_root_is_one_clear_line(tmp_path, capsys):
