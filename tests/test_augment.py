@@ -88,6 +88,9 @@ def test_full_scale_crop_is_the_identity(ratio) -> None:
     x = images(n=16, size=20)
     cfg = AugmentConfig(random_resized_crop=(1.0, 1.0), crop_ratio=ratio)
     out = BatchAugment(cfg, None, None)(x, gen(0))
+    # float32: affine_grid/grid_sample place each sample within ~(20/2)·2·ulp(1) ≈ 2.4e-6 px of
+    # the pixel centre, so a value moves by ≤ 2.4e-6 (neighbours differ by ≤ 1); measured
+    # 6.9e-7 under every ATEN_CPU_CAPABILITY. A crop shifted by 0.1 px moves values by up to 0.1.
     torch.testing.assert_close(out, x.float() / 255, atol=1e-5, rtol=0)
 
 
@@ -98,6 +101,8 @@ def test_centre_half_crop_of_a_ramp_matches_hand_computation() -> None:
     box = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
     out = resized_crop(x.float() / 255, box)
     expected = (16 * (1.75 + 0.5 * torch.arange(8.0)) / 255).expand(1, 3, 8, 8)
+    # float32: positions within ~(8/2)·ulp(1) ≈ 5e-7 px, times the slope 16/255 per px, plus
+    # the rounding of values ≤ 0.33: ≲ 1e-7 (measured 1.5e-8); half a pixel off is 3e-2
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
@@ -168,6 +173,10 @@ def test_colour_ops_match_torchvision(ours, theirs, values) -> None:
     x[0, :, :4] = x[0, :1, :4]  # grey pixels (hue undefined) and channel ties
     x[1, 1] = x[1, 0]
     out = ours(x, torch.tensor(values))
+    # Different formulas in float32 (ours branch-free, torchvision's via HSV): the hue in
+    # sextants [0, 6) is rounded to ~ulp(6) = 4.8e-7 on each side and scaled by the pixel's
+    # spread (≤ 1), so the outputs agree to ≲ 3e-6 (measured 8.9e-7 for hue, 6e-8 for the
+    # others, under every ATEN_CPU_CAPABILITY). A hue shift off by 0.01 moves values by 6e-2.
     for i, v in enumerate(values):
         torch.testing.assert_close(out[i], theirs(x[i], v), atol=1e-5, rtol=0)
 

@@ -7,11 +7,13 @@ import json
 
 import yaml
 
-from feddomain.cli import main
+from feddomain.cli import DEMO_METHODS, main
 
 
-def test_describe_pacs_prints_counts(shared_data, capsys):
-    assert main(["data", "describe", "--dataset", "pacs", "--root", str(shared_data)]) == 0
+def test_describe_pacs_prints_counts_and_the_official_lists_two_flaws(shared_data, capsys):
+    # The images are complete, but the official art_painting crossval list has two flawed lines
+    # (a 0 label in a 1-based list, a repeated file): describe lists them, so it exits with 1.
+    assert main(["data", "describe", "--dataset", "pacs", "--root", str(shared_data)]) == 1
     out = capsys.readouterr().out
     for domain, n in [
         ("art_painting", "2048"),
@@ -20,6 +22,11 @@ def test_describe_pacs_prints_counts(shared_data, capsys):
         ("sketch", "3929"),
     ]:
         assert domain in out and n in out.replace(",", "")
+    text = " ".join(out.split())
+    crossval = shared_data / "PACS" / "splits" / "art_painting_crossval_kfold.txt"
+    assert "2 problem(s):" in text
+    assert f"{crossval}:1: label 0 does not match the class folder of" in text
+    assert f"{crossval}:17: art_painting/dog/pic_248.jpg is listed again" in text
 
 
 def test_describe_missing_root_is_one_clear_line(tmp_path, capsys):
@@ -73,3 +80,35 @@ def test_report_reads_runs_and_writes_csv(tmp_path, capsys):
     assert "model selection: last" in out
     assert f"{100 * summary['final']['ood_acc']:.1f}" in out
     assert (tmp_path / "runs" / "report" / "report.csv").is_file()
+
+
+def markdown_rows(text: str, title: str) -> dict[str, list[str]]:
+    """The body rows of the markdown table under the heading ending in ``title``, by first cell."""
+    section = text.split(f"{title}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header, _rule, *body = lines
+    assert header.startswith("| method |"), header
+    rows = [[c.strip() for c in row.strip("|").split("|")] for row in body]
+    return {cells[0]: cells[1:] for cells in rows}
+
+
+def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tmp_path, capsys):
+    """Catches a demo that drops a method, writes no run directory or report, or prints a table
+    that is missing or whose numbers are not the runs' results."""
+    out = tmp_path / "demo"
+    # the demo's own code path, shortened by its overrides: 1 round, one target (~15 s)
+    args = ["--out", str(out), "--quiet", "rounds=1", "split.targets=[sketch]", "eval.every=1"]
+    assert main(["demo", *args]) == 0
+    printed = capsys.readouterr().out
+    table = markdown_rows(printed, "— ood accuracy (%)")
+    assert set(table) == set(DEMO_METHODS) == {"fedavg", "local", "central", "hfedf"}
+    for method in DEMO_METHODS:
+        summary = json.loads((out / method / "summary.json").read_text())
+        assert summary["method"] == method and summary["target_domains"] == ["sketch"]
+        assert summary["rounds"] == 1
+        cell, avg, seeds = table[method]
+        percent = float(cell.split()[0])
+        assert 0.0 <= percent <= 100.0 and seeds == "1"
+        assert cell.startswith(f"{100 * summary['ood_acc']:.1f} ") and avg == f"{percent:.1f}"
+    assert set(markdown_rows(printed, "— id accuracy (%)")) == set(DEMO_METHODS)
+    assert (out / "report" / "report.csv").is_file() and (out / "report" / "report.md").is_file()

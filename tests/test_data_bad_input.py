@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
+from feddomain.cli import main
 from feddomain.data.describe import describe, render
 from feddomain.data.sources import (
     DATASETS,
@@ -347,3 +348,48 @@ def test_describe_checks_the_official_split_lists(tmp_path):
         f"split list {lists / 'b_train.txt'} not found",
         f"split list {lists / 'b_val.txt'} not found",
     ]
+
+
+def describe_command(root: Path, *flags: str) -> int:
+    return main(["data", "describe", "--dataset", "tiny", "--root", str(root), *flags])
+
+
+def test_describe_command_exits_0_on_a_clean_folder(tmp_path, capsys):
+    """Catches `feddomain data describe` failing (exit status != 0) on a folder with no problem."""
+    make(tmp_path / "tiny_set", GOOD)
+    assert describe_command(tmp_path) == 0
+    assert describe_command(tmp_path, "--deep") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Tiny: 12 images in" in out and "no problems found" in out and "problem(s)" not in out
+
+
+@pytest.mark.parametrize("damage", ["unreadable image", "empty class folder", "missing domain"])
+def test_describe_command_exits_1_and_names_the_problem(tmp_path, capsys, damage):
+    """Catches `feddomain data describe` exiting 0, as if the folder were fine, while it lists
+    problems (a script or CI step gating on it would go on to train on a broken folder)."""
+    root = tmp_path / "tiny_set"
+    if damage == "unreadable image":
+        make(root, GOOD)
+        bad = root / "b" / "y" / "2.png"
+        corrupt("not an image", bad)
+        expected = f"unreadable image {bad}: "
+    elif damage == "empty class folder":
+        make(root, {"a": {"x": 3, "y": 0}, "b": GOOD["b"]})
+        expected = f"empty class folder {root / 'a' / 'y'}"
+    else:
+        make(root, {"a": GOOD["a"]})
+        expected = f"missing domain folder {root / 'b'}"
+    assert describe_command(tmp_path) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 problem(s):" in out and expected in out
+
+
+def test_describe_command_exit_status_follows_deep_decoding(tmp_path, capsys):
+    """Catches an exit status that ignores the problems only --deep finds (a truncated image)."""
+    make(tmp_path / "tiny_set", GOOD)
+    bad = tmp_path / "tiny_set" / "a" / "x" / "0.png"
+    corrupt("truncated png", bad)
+    assert describe_command(tmp_path) == 0  # the header alone is intact
+    assert describe_command(tmp_path, "--deep") == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"unreadable image {bad}: OSError" in out

