@@ -110,7 +110,7 @@ def model_skeleton(
     memory, no weight file read), for config-time checks of what a method needs of it. With
     ``frozen`` it is the head trained on cached features. The class count does not shape the
     layers a check looks at, so it is 2."""
-    from feddomain.models.frozen import head_model  # late: frozen imports this package's base
+    from feddomain.models.frozen import head_model  # late: only config-time checks need it
 
     options = dict(options or {})
     valid = model_options(name)
