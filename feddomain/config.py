@@ -257,9 +257,27 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
 
 
 def _check_algorithm(cfg: ExperimentConfig) -> None:
-    from feddomain.algorithms import algorithm_hparams  # late: algorithms import this module
+    from feddomain.algorithms import resolve_method  # late: algorithms import this module
 
-    algorithm_hparams(cfg.algorithm.name, cfg.algorithm.hparams)
+    method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
+    if method.checks_model:  # e.g. FedBN needs BatchNorm layers: refuse lenet5 now, not later
+        from feddomain.models import model_skeleton
+
+        m = cfg.model
+        skeleton = model_skeleton(
+            m.name,
+            resolution=cfg.dataset.resolution,
+            options=m.options,
+            frozen=m.frozen,
+            head_hidden=m.head_hidden,
+        )
+        problem = method.check_model(skeleton)
+        if problem:
+            where = "'model.frozen' = true (only a head on cached features trains)"
+            if not m.frozen:
+                options = f" (options {m.options})" if m.options else ""
+                where = f"'model.name' = {m.name!r}{options}"
+            raise ConfigError(f"invalid configuration: {where}: {problem}")
 
 
 def _explain(err: ValidationError, source: str) -> str:

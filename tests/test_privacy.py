@@ -23,10 +23,14 @@ from feddomain.federation.training import get_arrays
 from tests.engine_helpers import run_sim, tiny_config, tiny_federation
 
 CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
+# methods that refuse LeNet-5 (they need BatchNorm layers) run on this model
+MODEL = {"fedbn": "small_cnn", "silobn": "small_cnn"}
 
 
 def method_config(method: str, **overrides: object):
     algorithm = {"name": method, **CHEAP.get(method, {})}
+    if method in MODEL:
+        overrides.setdefault("model", {"name": MODEL[method]})
     return tiny_config(rounds=2, algorithm=algorithm, **overrides)
 
 

@@ -244,6 +244,9 @@ class StationContext:
     clients: tuple[int, ...]  # its member clients, sorted
     station_rounds: int
     seed: int
+    # a freshly initialised model, as the server's ``model_factory``: for a station that needs
+    # the model's structure (e.g. which arrays its clients keep local); call it at construction
+    model_factory: Callable[[], nn.Module] | None = None
 
 
 class StationAlgorithm:
@@ -301,6 +304,9 @@ class StationAlgorithm:
 
 
 ModelHook = Callable[[nn.Module, Hparams], nn.Module]
+# A check of the configured model (built on the meta device, before any model hook) at config
+# time: the reason the method cannot train it, or None.
+ModelCheck = Callable[[nn.Module, Hparams], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -308,7 +314,10 @@ class MethodSpec:
     """A registered method. ``pooled`` methods (Central) train on all source data as one client.
     ``model_hook(model, hp)`` transforms every model the runner builds (a probabilistic head,
     adapters, extra buffers), so strict loading stays strict everywhere. ``takes_client``: an
-    aggregator whose client part can be another method's (``algorithm.client``)."""
+    aggregator whose client part can be another method's (``algorithm.client``).
+    ``model_check(model, hp)`` runs when the config loads, on the configured model's skeleton
+    (no weights, before hooks), and returns why the method cannot train it (FedBN on a model
+    without BatchNorm) or None; the config is then refused, naming ``model.name``."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -319,6 +328,7 @@ class MethodSpec:
     description: str = ""
     model_hook: ModelHook | None = None
     takes_client: bool = False
+    model_check: ModelCheck | None = None
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)
@@ -349,6 +359,19 @@ class Method:
 
     def make_station(self, ctx: StationContext) -> StationAlgorithm:
         return self.spec.station(ctx, self.hp)
+
+    def check_model(self, model: nn.Module) -> str | None:
+        """The first reason the client method's or the aggregator's ``model_check`` gives for
+        not training ``model`` (the configured model, before hooks); None if both accept it."""
+        for spec, hp in ((self.client_spec, self.client_hp), (self.spec, self.hp)):
+            problem = spec.model_check(model, hp) if spec.model_check is not None else None
+            if problem:
+                return f"{spec.name} {problem}"
+        return None
+
+    @property
+    def checks_model(self) -> bool:
+        return self.spec.model_check is not None or self.client_spec.model_check is not None
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Apply the client method's model hook, then the aggregator's (when they differ)."""

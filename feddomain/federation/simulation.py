@@ -129,6 +129,7 @@ class Simulation:
                     tuple(int(c) for c in members),
                     self.cfg.topology.station_rounds,
                     self.cfg.seed,
+                    self._init_model,
                 )
             )
             for sid, members in enumerate(self.data.stations or [])

@@ -10,6 +10,10 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
 
 from feddomain.errors import ConfigError
 from feddomain.models.base import FeatureClassifier
@@ -90,6 +94,34 @@ def input_normalization(name: str) -> Normalization | None:
     return _PRETRAINED_NORMALIZATION.get(name)
 
 
+# Options that load weights into a network without changing its structure.
+_WEIGHT_OPTIONS = {"pretrained": False, "weights_path": None}
+
+
+def model_skeleton(
+    name: str,
+    *,
+    resolution: int = 32,
+    options: dict[str, Any] | None = None,
+    frozen: bool = False,
+    head_hidden: int | None = None,
+) -> nn.Module:
+    """The structure of a configured model without its weights: built on the meta device (no
+    memory, no weight file read), for config-time checks of what a method needs of it. With
+    ``frozen`` it is the head trained on cached features. The class count does not shape the
+    layers a check looks at, so it is 2."""
+    from feddomain.models.frozen import head_model  # late: only config-time checks need it
+
+    options = dict(options or {})
+    valid = model_options(name)
+    options.update({k: v for k, v in _WEIGHT_OPTIONS.items() if k in valid})
+    with torch.device("meta"):
+        model = build_model(name, 2, resolution=resolution, **options)
+        if frozen:
+            model = head_model(model.n_features, 2, hidden=head_hidden)
+    return model
+
+
 __all__ = [
     "IMAGENET_NORMALIZATION",
     "MODELS",
@@ -97,4 +129,5 @@ __all__ = [
     "build_model",
     "input_normalization",
     "model_options",
+    "model_skeleton",
 ]

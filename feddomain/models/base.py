@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
 
@@ -16,6 +18,11 @@ class FeatureClassifier(nn.Module):
     ``freeze_bn_stats=True`` keeps every BatchNorm layer in eval mode even under ``train()``: the
     running statistics of a pretrained backbone stay as loaded while its affine parameters train
     (the convention HFedATM's code follows for ResNet-18).
+
+    ``stages`` names the modules (as in ``named_modules()``) whose outputs end the network's
+    successive convolutional stages, shallow to deep (small_cnn's conv blocks, LeNet-5's two
+    pooling layers, ResNet's layer1-4); style methods act after them (MixStyle). Empty for a
+    model that declares none.
     """
 
     def __init__(
@@ -25,12 +32,14 @@ class FeatureClassifier(nn.Module):
         n_features: int,
         *,
         freeze_bn_stats: bool = False,
+        stages: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.featurizer = featurizer
         self.classifier = classifier
         self.n_features = n_features
         self.freeze_bn_stats = freeze_bn_stats
+        self.stages = tuple(stages)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.featurizer(x))

@@ -50,4 +50,7 @@ def lenet5(num_classes: int, *, resolution: int = 32) -> FeatureClassifier:
             ]
         )
     )
-    return FeatureClassifier(featurizer, nn.Linear(N_FEATURES, num_classes), N_FEATURES)
+    stages = ("featurizer.pool1", "featurizer.pool2")  # conv-tanh-pool blocks 1 and 2
+    return FeatureClassifier(
+        featurizer, nn.Linear(N_FEATURES, num_classes), N_FEATURES, stages=stages
+    )

@@ -69,7 +69,10 @@ def _resnet(
         _check_compatible(net, state, path, arch)
         net.load_state_dict(state)
     classifier = nn.Linear(n_features, num_classes)
-    return FeatureClassifier(net, classifier, n_features, freeze_bn_stats=freeze_bn_stats)
+    stages = [f"featurizer.layer{i}" for i in range(1, 5)]  # residual stages res1-res4
+    return FeatureClassifier(
+        net, classifier, n_features, freeze_bn_stats=freeze_bn_stats, stages=stages
+    )
 
 
 def resnet18(

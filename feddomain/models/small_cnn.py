@@ -61,4 +61,7 @@ def small_cnn(
     ]
     featurizer = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten())
     classifier = nn.Linear(widths[-1], num_classes)
-    return FeatureClassifier(featurizer, classifier, widths[-1], freeze_bn_stats=freeze_bn_stats)
+    stages = [f"featurizer.{i}" for i in range(len(blocks))]  # each conv block's output
+    return FeatureClassifier(
+        featurizer, classifier, widths[-1], freeze_bn_stats=freeze_bn_stats, stages=stages
+    )
