@@ -257,9 +257,16 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
 
 
 def _check_algorithm(cfg: ExperimentConfig) -> None:
-    from feddomain.algorithms import algorithm_hparams  # late: algorithms import this module
+    from feddomain.algorithms import resolve_method  # late: algorithms import this module
 
-    algorithm_hparams(cfg.algorithm.name, cfg.algorithm.hparams)
+    method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
+    # each part's constraints on the rest of the config (the client part's, then the aggregator's)
+    parts = [(method.client_spec, method.client_hp)]
+    if method.spec is not method.client_spec:
+        parts.append((method.spec, method.hp))
+    for spec, hp in parts:
+        if spec.check_config is not None:
+            spec.check_config(cfg, hp)
 
 
 def _explain(err: ValidationError, source: str) -> str:

@@ -339,7 +339,10 @@ def test_every_method_on_flower_equals_the_simulator(
     method: str, tmp_path: Path, task_identity: None
 ) -> None:
     """Same config and seed: identical server state, metrics.jsonl and summary (all exact)."""
-    cheap = {"hfedf_ae_embed": ["algorithm.ae_epochs=2"]}  # its autoencoder: 50 epochs
+    cheap = {
+        "hfedf_ae_embed": ["algorithm.ae_epochs=2"],  # its autoencoder: 50 epochs
+        "scaffold": ["train.optimizer=sgd", "train.lr=0.05"],  # plain SGD only
+    }
     cfg = demo_config(f"algorithm.name={method}", *cheap.get(method, []))
     sim = simulate(cfg, tmp_path / "sim")
     grid = deploy_loopback(cfg, tmp_path / "flower")

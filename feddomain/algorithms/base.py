@@ -301,6 +301,8 @@ class StationAlgorithm:
 
 
 ModelHook = Callable[[nn.Module, Hparams], nn.Module]
+# (the whole experiment config, the method's hyper-parameters) -> None; raises ConfigError
+ConfigCheck = Callable[[Any, Hparams], None]
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,10 @@ class MethodSpec:
     """A registered method. ``pooled`` methods (Central) train on all source data as one client.
     ``model_hook(model, hp)`` transforms every model the runner builds (a probabilistic head,
     adapters, extra buffers), so strict loading stays strict everywhere. ``takes_client``: an
-    aggregator whose client part can be another method's (``algorithm.client``)."""
+    aggregator whose client part can be another method's (``algorithm.client``).
+    ``check_config(cfg, hp)`` refuses, when the config loads, settings elsewhere in the config
+    that the method cannot run with (SCAFFOLD: an optimiser other than plain SGD), raising a
+    ``ConfigError`` that names the key."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -319,6 +324,7 @@ class MethodSpec:
     description: str = ""
     model_hook: ModelHook | None = None
     takes_client: bool = False
+    check_config: ConfigCheck | None = None
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)
