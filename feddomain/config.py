@@ -260,24 +260,13 @@ def _check_algorithm(cfg: ExperimentConfig) -> None:
     from feddomain.algorithms import resolve_method  # late: algorithms import this module
 
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
-    if method.checks_model:  # e.g. FedBN needs BatchNorm layers: refuse lenet5 now, not later
-        from feddomain.models import model_skeleton
-
-        m = cfg.model
-        skeleton = model_skeleton(
-            m.name,
-            resolution=cfg.dataset.resolution,
-            options=m.options,
-            frozen=m.frozen,
-            head_hidden=m.head_hidden,
-        )
-        problem = method.check_model(skeleton)
-        if problem:
-            where = "'model.frozen' = true (only a head on cached features trains)"
-            if not m.frozen:
-                options = f" (options {m.options})" if m.options else ""
-                where = f"'model.name' = {m.name!r}{options}"
-            raise ConfigError(f"invalid configuration: {where}: {problem}")
+    # each part's constraints on the rest of the config (the client part's, then the aggregator's)
+    parts = [(method.client_spec, method.client_hp)]
+    if method.spec is not method.client_spec:
+        parts.append((method.spec, method.hp))
+    for spec, hp in parts:
+        if spec.check_config is not None:
+            spec.check_config(cfg, hp)
 
 
 def _explain(err: ValidationError, source: str) -> str:

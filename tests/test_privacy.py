@@ -26,6 +26,10 @@ CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
 # methods that refuse LeNet-5 (they need BatchNorm layers) run on this model
 MODEL = {"fedbn": "small_cnn", "silobn": "small_cnn"}
 
+# Statistics a method's every fit reply carries, in bytes, from the model alone (SCAFFOLD's
+# Δc_i: one float32 per trained parameter); other methods send statistics only in `collect`.
+FIT_STATISTICS = {"scaffold": lambda model: 4 * sum(p.numel() for p in model.parameters())}
+
 
 def method_config(method: str, **overrides: object):
     algorithm = {"name": method, **CHEAP.get(method, {})}
@@ -55,12 +59,18 @@ def test_every_method_declares_its_uploads_and_the_ledger_counts_exactly_them(me
     assert [r["round"] for r in fit_rounds] == [1, 2]
     model_bytes = declared_model_bytes(sim, uploads)
     n_scalars = len(uploads.scalars)
+    fit_stats = FIT_STATISTICS[method](sim.model) if method in FIT_STATISTICS else 0
     for record in fit_rounds:
         up, n = record["ledger"]["up"], record["participants"]
-        assert up == {"model": n * model_bytes, "statistics": 0, "scalars": n * 8 * n_scalars}
+        expected = {
+            "model": n * model_bytes,
+            "statistics": n * fit_stats,
+            "scalars": n * 8 * n_scalars,
+        }
+        assert up == expected
         assert record["bytes_up"] == up["model"] + up["statistics"]
     stats = [r for r in rounds if r["round"] == 0]
-    if uploads.statistics:  # hFedF's autoencoder embeddings: one vector per client, once
+    if uploads.statistics and method not in FIT_STATISTICS:  # hFedF's autoencoder embeddings
         (collect,) = stats
         per_client = sum(4 * torch.Size(s).numel() for s in uploads.statistics.values())
         assert collect["ledger"]["up"]["statistics"] == sim.data.n_clients * per_client

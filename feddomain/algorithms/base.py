@@ -48,6 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
@@ -307,6 +308,34 @@ ModelHook = Callable[[nn.Module, Hparams], nn.Module]
 # A check of the configured model (built on the meta device, before any model hook) at config
 # time: the reason the method cannot train it, or None.
 ModelCheck = Callable[[nn.Module, Hparams], "str | None"]
+# (the whole experiment config, the method's hyper-parameters) -> None; raises ConfigError
+ConfigCheck = Callable[[Any, Hparams], None]
+
+
+def model_requirement(method: str, check: ModelCheck) -> ConfigCheck:
+    """A config check from a check of the configured model (built on the meta device, no
+    weights, before hooks): FedBN refuses LeNet-5 when the config loads, naming ``model.name``."""
+
+    def check_config(cfg: Any, hp: Hparams) -> None:
+        from feddomain.models import model_skeleton  # late: models are not needed otherwise
+
+        m = cfg.model
+        skeleton = model_skeleton(
+            m.name,
+            resolution=cfg.dataset.resolution,
+            options=m.options,
+            frozen=m.frozen,
+            head_hidden=m.head_hidden,
+        )
+        problem = check(skeleton, hp)
+        if problem:
+            where = "'model.frozen' = true (only a head on cached features trains)"
+            if not m.frozen:
+                options = f" (options {m.options})" if m.options else ""
+                where = f"'model.name' = {m.name!r}{options}"
+            raise ConfigError(f"invalid configuration: {where}: {method} {problem}")
+
+    return check_config
 
 
 @dataclass(frozen=True)
@@ -315,9 +344,9 @@ class MethodSpec:
     ``model_hook(model, hp)`` transforms every model the runner builds (a probabilistic head,
     adapters, extra buffers), so strict loading stays strict everywhere. ``takes_client``: an
     aggregator whose client part can be another method's (``algorithm.client``).
-    ``model_check(model, hp)`` runs when the config loads, on the configured model's skeleton
-    (no weights, before hooks), and returns why the method cannot train it (FedBN on a model
-    without BatchNorm) or None; the config is then refused, naming ``model.name``."""
+    ``check_config(cfg, hp)`` refuses, when the config loads, settings elsewhere in the config
+    that the method cannot run with (SCAFFOLD: an optimiser other than plain SGD; FedBN: a model
+    without BatchNorm, see ``model_requirement``), raising a ``ConfigError`` that names the key."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -328,7 +357,7 @@ class MethodSpec:
     description: str = ""
     model_hook: ModelHook | None = None
     takes_client: bool = False
-    model_check: ModelCheck | None = None
+    check_config: ConfigCheck | None = None
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)
@@ -359,19 +388,6 @@ class Method:
 
     def make_station(self, ctx: StationContext) -> StationAlgorithm:
         return self.spec.station(ctx, self.hp)
-
-    def check_model(self, model: nn.Module) -> str | None:
-        """The first reason the client method's or the aggregator's ``model_check`` gives for
-        not training ``model`` (the configured model, before hooks); None if both accept it."""
-        for spec, hp in ((self.client_spec, self.client_hp), (self.spec, self.hp)):
-            problem = spec.model_check(model, hp) if spec.model_check is not None else None
-            if problem:
-                return f"{spec.name} {problem}"
-        return None
-
-    @property
-    def checks_model(self) -> bool:
-        return self.spec.model_check is not None or self.client_spec.model_check is not None
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Apply the client method's model hook, then the aggregator's (when they differ)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from feddomain.algorithms.base import Hparams, MethodSpec
+from feddomain.algorithms.base import Hparams, MethodSpec, model_requirement
 from feddomain.algorithms.layout import LayoutClient, LayoutServer, LayoutStation
 from feddomain.algorithms.registry import register
 from feddomain.federation.layout import BN_MODELS, StateLayout, batchnorm_arrays
@@ -63,6 +63,6 @@ register(
         station=FedBNStation,
         description="FedBN: BatchNorm layers (affine + statistics) stay local, the rest is "
         "FedAvg'd (Li et al., ICLR 2021)",
-        model_check=needs_batchnorm,
+        check_config=model_requirement("fedbn", needs_batchnorm),
     )
 )

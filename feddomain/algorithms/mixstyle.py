@@ -41,7 +41,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from feddomain.algorithms.base import Hparams, MethodSpec
+from feddomain.algorithms.base import Hparams, MethodSpec, model_requirement
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
 from feddomain.errors import ConfigError
@@ -166,6 +166,6 @@ register(
         description="MixStyle: FedAvg whose clients mix instance feature statistics across "
         "samples after early conv stages (Zhou et al., ICLR 2021)",
         model_hook=insert_mixstyle,
-        model_check=stage_problem,
+        check_config=model_requirement("mixstyle", stage_problem),
     )
 )

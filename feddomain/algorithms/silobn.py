@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from feddomain.algorithms.base import Hparams, MethodSpec
+from feddomain.algorithms.base import Hparams, MethodSpec, model_requirement
 from feddomain.algorithms.layout import LayoutClient, LayoutServer, LayoutStation
 from feddomain.algorithms.registry import register
 from feddomain.federation.layout import BN_MODELS, StateLayout, batchnorm_arrays
@@ -65,6 +65,6 @@ register(
         station=SiloBNStation,
         description="SiloBN: BatchNorm statistics stay local, BatchNorm affine and the rest "
         "FedAvg'd (Andreux et al., MICCAI DART 2020)",
-        model_check=needs_batchnorm_statistics,
+        check_config=model_requirement("silobn", needs_batchnorm_statistics),
     )
 )
