@@ -23,6 +23,11 @@ from feddomain.federation.training import get_arrays
 from tests.engine_helpers import run_sim, tiny_config, tiny_federation
 
 CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
+# Statistics a method's clients send every round (a pre-round task), bytes per client, from the
+# model alone: FedIIR's classifier-gradient sum (one float32 row of the classifier's size).
+PER_ROUND_STATISTICS = {
+    "fediir": lambda sim: 4 * sum(p.numel() for p in sim.model.classifier.parameters()),
+}
 
 
 def method_config(method: str, **overrides: object):
@@ -51,12 +56,14 @@ def test_every_method_declares_its_uploads_and_the_ledger_counts_exactly_them(me
     assert [r["round"] for r in fit_rounds] == [1, 2]
     model_bytes = declared_model_bytes(sim, uploads)
     n_scalars = len(uploads.scalars)
+    per_round = PER_ROUND_STATISTICS.get(method, lambda sim: 0)(sim)
     for record in fit_rounds:
         up, n = record["ledger"]["up"], record["participants"]
-        assert up == {"model": n * model_bytes, "statistics": 0, "scalars": n * 8 * n_scalars}
+        expected = {"model": n * model_bytes, "statistics": n * per_round}
+        assert up == {**expected, "scalars": n * 8 * n_scalars}
         assert record["bytes_up"] == up["model"] + up["statistics"]
     stats = [r for r in rounds if r["round"] == 0]
-    if uploads.statistics:  # hFedF's autoencoder embeddings: one vector per client, once
+    if uploads.statistics and method not in PER_ROUND_STATISTICS:  # hFedF's AE embeddings
         (collect,) = stats
         per_client = sum(4 * torch.Size(s).numel() for s in uploads.statistics.values())
         assert collect["ledger"]["up"]["statistics"] == sim.data.n_clients * per_client
