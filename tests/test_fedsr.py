@@ -123,7 +123,7 @@ def test_the_cmi_term_is_the_closed_form_kl_between_diagonal_gaussians(kl):
             a, s = c * float(mu[b, d]), c * float(sigma[b, d])
             total += _kl_by_hand(a, s, float(r_mu[y[b], d]), prior_sigma)
     expected = total / 5  # summed over z's dimensions, averaged over the batch
-    assert float(cmi_term(model, mu, sigma, y)) == pytest.approx(expected, rel=1e-12)
+    assert float(cmi_term(model, mu, sigma, y).detach()) == pytest.approx(expected, rel=1e-12)
     assert (model.C is not None) == (kl == "scaled")
 
 
@@ -153,13 +153,14 @@ def test_the_objective_weights_each_term_by_its_own_coefficient():
     )
     expected = ce + 0.3 * mu.pow(2).sum(1).mean() + 0.07 * kl.sum(1).mean()
     got = fedsr_loss(hp)(model, x, y)
-    assert float(got) == pytest.approx(float(expected), rel=1e-12)
+    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
 
 
 # ------------------------------------------------------------------------------ the model
 def test_training_samples_z_and_eval_predicts_with_mu():
     """Catches: eval-mode predictions that sample (non-deterministic), training that never
-    samples, or noise not drawn from torch's seeded RNG (runs would not replay)."""
+    samples (or samples with ``sample: false``), or noise not drawn from torch's seeded RNG
+    (runs would not replay)."""
     model = _tiny_model()
     x = torch.randn(8, 6, dtype=torch.float64)
     mu, _ = model.distribution(x)
@@ -173,6 +174,8 @@ def test_training_samples_z_and_eval_predicts_with_mu():
     assert torch.equal(model(x), first)  # seeded: replays
     assert not torch.equal(model(x), first)  # and it does sample
     assert not torch.allclose(first, model.classifier(mu))
+    deterministic = _tiny_model(sample=False).train()  # the ablation: z = μ in training too
+    assert torch.equal(deterministic(x), deterministic.classifier(deterministic.distribution(x)[0]))
 
 
 def test_eval_z_sample_is_a_draw_that_repeats_at_every_evaluation():
