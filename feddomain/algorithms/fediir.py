@@ -1,4 +1,4 @@
-"""FedIIR (Guo, Guo, Xu, Li & Zhou, "Out-of-Distribution Generalization of Federated Learning via
+"""FedIIR (Guo, Guo, Cao, Wu & Chang, "Out-of-Distribution Generalization of Federated Learning via
 Implicit Invariant Relationships", ICML 2023): FedAvg whose clients keep their classifier
 gradient close to the federation's mean classifier gradient.
 
