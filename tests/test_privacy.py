@@ -26,9 +26,13 @@ CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
 # methods that refuse LeNet-5 (they need BatchNorm layers) run on this model
 MODEL = {"fedbn": "small_cnn", "silobn": "small_cnn"}
 
-# Statistics a method's every fit reply carries, in bytes, from the model alone (SCAFFOLD's
-# Δc_i: one float32 per trained parameter); other methods send statistics only in `collect`.
-FIT_STATISTICS = {"scaffold": lambda model: 4 * sum(p.numel() for p in model.parameters())}
+# Statistics a method's clients send every round, bytes per client, from the model alone:
+# SCAFFOLD's Δc_i (one float32 per trained parameter, in the fit reply) and FedIIR's
+# classifier-gradient sum (one float32 row of the classifier's size, in a pre-round task).
+PER_ROUND_STATISTICS = {
+    "scaffold": lambda sim: 4 * sum(p.numel() for p in sim.model.parameters()),
+    "fediir": lambda sim: 4 * sum(p.numel() for p in sim.model.classifier.parameters()),
+}
 
 
 def method_config(method: str, **overrides: object):
@@ -59,18 +63,14 @@ def test_every_method_declares_its_uploads_and_the_ledger_counts_exactly_them(me
     assert [r["round"] for r in fit_rounds] == [1, 2]
     model_bytes = declared_model_bytes(sim, uploads)
     n_scalars = len(uploads.scalars)
-    fit_stats = FIT_STATISTICS[method](sim.model) if method in FIT_STATISTICS else 0
+    per_round = PER_ROUND_STATISTICS.get(method, lambda sim: 0)(sim)
     for record in fit_rounds:
         up, n = record["ledger"]["up"], record["participants"]
-        expected = {
-            "model": n * model_bytes,
-            "statistics": n * fit_stats,
-            "scalars": n * 8 * n_scalars,
-        }
-        assert up == expected
+        expected = {"model": n * model_bytes, "statistics": n * per_round}
+        assert up == {**expected, "scalars": n * 8 * n_scalars}
         assert record["bytes_up"] == up["model"] + up["statistics"]
     stats = [r for r in rounds if r["round"] == 0]
-    if uploads.statistics and method not in FIT_STATISTICS:  # hFedF's autoencoder embeddings
+    if uploads.statistics and method not in PER_ROUND_STATISTICS:  # hFedF's AE embeddings
         (collect,) = stats
         per_client = sum(4 * torch.Size(s).numel() for s in uploads.statistics.values())
         assert collect["ledger"]["up"]["statistics"] == sim.data.n_clients * per_client

@@ -85,6 +85,7 @@ class ServerContext:
     n_clients: int
     seed: int
     rounds: int
+    stations: int = 0  # stations of a hierarchical federation; 0 when flat
 
 
 @dataclass

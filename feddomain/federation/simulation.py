@@ -101,7 +101,13 @@ class Simulation:
             self.method.name, self.client.uploads(self.data.n_clients), model_shapes
         )
         self.server = self.method.make_server(
-            ServerContext(self._init_model, self.data.n_clients, cfg.seed, cfg.rounds)
+            ServerContext(
+                self._init_model,
+                self.data.n_clients,
+                cfg.seed,
+                cfg.rounds,
+                stations=len(self.data.stations or []),
+            )
         )
         self.stations = self._build_stations()
         self.states = [Message("state") for _ in range(self.data.n_clients)]
