@@ -29,6 +29,15 @@ console = Console(stderr=True)
 PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
 
 
+def _methods_epilog() -> str:
+    """Every registered method with its one-line description and citation (algorithm.name)."""
+    from feddomain.algorithms import METHODS
+
+    width = max(len(name) for name in METHODS)
+    lines = [f"  {name:<{width}}  {spec.description}" for name, spec in sorted(METHODS.items())]
+    return "methods (algorithm.name):\n" + "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -59,7 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=cmd_demo)
 
-    run = sub.add_parser("run", help="run one experiment config (all its target splits)")
+    run = sub.add_parser(
+        "run",
+        help="run one experiment config (all its target splits)",
+        description="Run one experiment config (all its target splits).",
+        epilog=_methods_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("config", type=Path, nargs="?", help="YAML config (optional with --resume)")
     run.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. rounds=50 algorithm.mu=0.01"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 import yaml
 
+from feddomain.algorithms import METHODS
 from feddomain.cli import DEMO_METHODS, main
 
 
@@ -112,3 +114,18 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
         assert cell.startswith(f"{100 * summary['ood_acc']:.1f} ") and avg == f"{percent:.1f}"
     assert set(markdown_rows(printed, "— id accuracy (%)")) == set(DEMO_METHODS)
     assert (out / "report" / "report.csv").is_file() and (out / "report" / "report.md").is_file()
+
+
+def test_run_help_lists_every_method_with_its_description(capsys):
+    """Catches: a registered method missing from `feddomain run --help`, or listed without the
+    one-line description (and citation) its MethodSpec carries."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--help"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("  ")]
+    listed = {row[0]: " ".join(row[1:]) for row in rows}
+    for name, spec in METHODS.items():
+        assert spec.description
+        assert listed.get(name) == " ".join(spec.description.split()), name
+    assert "(McMahan et al., AISTATS 2017)" in listed["fedavg"]

@@ -15,6 +15,6 @@ register(
         FedAvgClient,
         FedAvgHparams,
         pooled=True,
-        description="Central: one model trained on the pooled source data",
+        description="Central: one model trained on the pooled source data (upper reference)",
     )
 )

@@ -101,7 +101,7 @@ register(
         FedAvgServer,
         FedAvgClient,
         FedAvgHparams,
-        description="FedAvg: sample-weighted parameter averaging",
+        description="FedAvg: sample-weighted parameter averaging (McMahan et al., AISTATS 2017)",
         takes_client=True,
     )
 )

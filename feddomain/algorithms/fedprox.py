@@ -39,6 +39,6 @@ register(
         FedAvgServer,
         FedProxClient,
         FedProxHparams,
-        description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2",
+        description="FedProx: FedAvg + proximal term mu/2 ||w - w_g||^2 (Li et al., MLSys 2020)",
     )
 )

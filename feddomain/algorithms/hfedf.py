@@ -586,7 +586,11 @@ class HFedFClient(HypernetworkClient):
 # ----------------------------------------------------------------------------- registration
 
 _VARIANTS: list[tuple[str, type[HFedFHparams], str]] = [
-    ("hfedf", HFedFHparams, "hFedF: hypernetwork fusion with GradAlign and EMA"),
+    (
+        "hfedf",
+        HFedFHparams,
+        "hFedF: hypernetwork fusion with GradAlign and EMA (Bartholet et al., 2024)",
+    ),
     ("hfedf_no_gradalign", NoGradAlignHparams, "hFedF without GradAlign (mean of VJPs)"),
     ("hfedf_no_ema", NoEmaHparams, "hFedF without the EMA write-back"),
     (

@@ -73,6 +73,6 @@ register(
         LocalServer,
         LocalClient,
         Hparams,
-        description="Local-only: each client trains alone",
+        description="Local-only: each client trains alone (no communication)",
     )
 )

@@ -55,6 +55,9 @@ register(
         PFedHNServer,
         HypernetworkClient,
         PFedHNHparams,
-        description="pFedHN: hypernetwork updated after each client, in a random order",
+        description=(
+            "pFedHN: hypernetwork updated after each client, in a random order "
+            "(Shamsian et al., ICML 2021)"
+        ),
     )
 )
