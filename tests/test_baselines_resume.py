@@ -5,19 +5,18 @@ run must reproduce the uninterrupted run exactly."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
-import yaml
 
 from feddomain.algorithms.scaffold import CLIENT_C
-from feddomain.cli import main
-from tests.test_evidence_resume import _metrics, _summary
+from tests.resume_helpers import (
+    assert_resumed_equals,
+    kill_after_checkpoint,
+    metrics_of,
+    resume,
+    run_to_end,
+    write_config,
+)
 
 ROUNDS = 6
 BASE = {
@@ -52,34 +51,13 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(method, tmp_path):
     """Catches SCAFFOLD's control variates (client c_i, server c) or FedDG-GA's weights and
     previous losses lost or stale across a SIGKILL and --resume."""
     config = tmp_path / f"{method}.yaml"
-    config.write_text(yaml.safe_dump({**BASE, "name": f"resume-{method}", "algorithm": method}))
-    reference = tmp_path / "reference"
-    assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
-
+    write_config(config, {**BASE, "name": f"resume-{method}", "algorithm": method})
+    run_to_end(config, tmp_path / "reference")
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "feddomain.cli", "run", str(config), "--out", str(out), "--quiet"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    ckpt = out / "checkpoint.pt"
-    deadline = time.time() + 120
-    while proc.poll() is None and time.time() < deadline:
-        if ckpt.exists() and torch.load(ckpt, weights_only=False)["round"] >= 2:
-            break
-        time.sleep(0.005)
-    assert ckpt.exists(), "no checkpoint appeared before the run ended"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL  # it really died by SIGKILL, mid-run
-    assert not (out / "summary.json").exists()
-
-    state = torch.load(ckpt, weights_only=False)
+    state = kill_after_checkpoint(config, out, min_round=2)
     assert state["round"] < ROUNDS
     _check_state(method, state)
 
-    assert main(["run", "--resume", str(out), "--quiet"]) == 0
-    assert _summary(out) == _summary(reference)
-    assert _metrics(out) == _metrics(reference)
-    assert [r["round"] for r in _metrics(out)] == [2, 4, 6]
-    assert not ckpt.exists()
+    resume(out)
+    assert_resumed_equals(out, tmp_path / "reference")
+    assert [r["round"] for r in metrics_of(out)] == [2, 4, 6]

@@ -4,18 +4,17 @@ uninterrupted run exactly."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
-import yaml
 
-from feddomain.cli import main
-from tests.test_evidence_resume import _metrics, _summary
+from tests.resume_helpers import (
+    assert_resumed_equals,
+    kill_after_checkpoint,
+    metrics_of,
+    resume,
+    run_to_end,
+    write_config,
+)
 
 ROUNDS = 6
 
@@ -41,28 +40,10 @@ def _config(method: str) -> dict:
 def test_sigkill_then_resume_matches_the_uninterrupted_run(method, tmp_path):
     """Catches local BatchNorm arrays (per-client state) or the server's mean of them lost
     across a SIGKILL and --resume: summary and metrics differ from the uninterrupted run."""
-    config = tmp_path / f"{method}.yaml"
-    config.write_text(yaml.safe_dump(_config(method)))
-    reference = tmp_path / "reference"
-    assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
-
+    config = write_config(tmp_path / f"{method}.yaml", _config(method))
+    run_to_end(config, tmp_path / "reference")
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "feddomain.cli", "run", str(config), "--out", str(out), "--quiet"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    ckpt = out / "checkpoint.pt"
-    deadline = time.time() + 120
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    assert ckpt.exists(), "no checkpoint appeared before the run ended"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL  # it really died by SIGKILL, mid-run
-    assert not (out / "summary.json").exists()
-
-    state = torch.load(ckpt, weights_only=False)
+    state = kill_after_checkpoint(config, out)
     assert state["round"] < ROUNDS
     # the checkpoint carries each client's own BatchNorm statistics: the state under test
     key = "local/featurizer.0.1.running_mean"
@@ -70,8 +51,6 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(method, tmp_path):
     assert len(kept) == 3 and not torch.equal(kept[0], kept[1])
     assert "featurizer.0.1.running_mean" in state["server"]["local_mean"]
 
-    assert main(["run", "--resume", str(out), "--quiet"]) == 0
-    assert _summary(out) == _summary(reference)
-    assert _metrics(out) == _metrics(reference)
-    assert [r["round"] for r in _metrics(out)] == [2, 4, 6]
-    assert not ckpt.exists()
+    resume(out)
+    assert_resumed_equals(out, tmp_path / "reference")
+    assert [r["round"] for r in metrics_of(out)] == [2, 4, 6]

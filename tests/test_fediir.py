@@ -10,19 +10,11 @@ relative of the reference, and ``rtol=1e-5`` is still far below any planted faul
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from feddomain.algorithms.fediir import (
@@ -32,14 +24,19 @@ from feddomain.algorithms.fediir import (
     _require_split,
     fediir_loss,
 )
-from feddomain.cli import main
 from feddomain.errors import ConfigError, FeddomainError
-from feddomain.federation import checkpoint
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_PRE_ROUND, generator
 from feddomain.models import build_model
 from feddomain.models.base import FeatureClassifier
 from tests.engine_helpers import run_sim, tiny_config, tiny_federation
+from tests.resume_helpers import (
+    assert_resumed_equals,
+    kill_after_checkpoint,
+    resume,
+    run_to_end,
+    write_config,
+)
 from tests.test_evidence_engine import uneven_federation
 
 BETA = 0.95
@@ -331,51 +328,20 @@ TOPOLOGIES = {
 }
 
 
-def _summary(run_dir: Path) -> dict:
-    s = json.loads((run_dir / "summary.json").read_text())
-    s.pop("wall_time_s")
-    return s
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in lines]
-
-
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_sigkill_then_resume_matches_the_uninterrupted_run(topology, tmp_path):
     """Catches: ḡ's EMA (server state, or each station's) missing from the checkpoint or not
     restored after a SIGKILLed `feddomain run --resume` (ḡ would restart from 0)."""
     config = tmp_path / "fediir.yaml"
-    config.write_text(
-        yaml.safe_dump({"name": f"fediir-resume-{topology}", **RESUME, **TOPOLOGIES[topology]})
-    )
-    reference = tmp_path / "reference"
-    assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
+    write_config(config, {"name": f"fediir-resume-{topology}", **RESUME, **TOPOLOGIES[topology]})
+    run_to_end(config, tmp_path / "reference")
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "feddomain.cli", "run", str(config), "--out", str(out), "--quiet"],
-        cwd=Path(__file__).resolve().parents[1],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    ckpt = out / "checkpoint.pt"
-    deadline = time.time() + 120
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    assert ckpt.exists(), "no checkpoint appeared before the run ended"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-    assert not (out / "summary.json").exists()
-    saved = checkpoint.load(out)
+    saved = kill_after_checkpoint(config, out)
     assert 1 <= saved["round"] < RESUME["rounds"]
     if topology == "flat":
         assert saved["server"]["grad_ema"] is not None
     else:
         assert all(s["grad_ema"] is not None for s in saved["stations"])
 
-    assert main(["run", "--resume", str(out), "--quiet"]) == 0
-    assert _summary(out) == _summary(reference)
-    assert _metrics(out) == _metrics(reference)
-    assert not ckpt.exists()
+    resume(out)
+    assert_resumed_equals(out, tmp_path / "reference")

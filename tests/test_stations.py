@@ -5,11 +5,7 @@ same behaviour on Flower (stations in the ServerApp, their tasks on the nodes)."
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +27,6 @@ from feddomain.algorithms.base import (
     StationContext,
 )
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
-from feddomain.cli import main
 from feddomain.config import ExperimentConfig
 from feddomain.evaluation.report import build_report
 from feddomain.federation import checkpoint
@@ -41,6 +36,14 @@ from feddomain.federation.privacy import PrivacyViolation, Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_PRE_ROUND, generator
 from tests.engine_helpers import run_sim, tiny_config, tiny_federation
+from tests.resume_helpers import (
+    assert_resumed_equals,
+    kill_after_checkpoint,
+    metrics_of,
+    resume,
+    run_to_end,
+    write_config,
+)
 from tests.test_flower import assert_same_run, demo_config, deploy_loopback, simulate
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -311,19 +314,7 @@ def test_station_state_survives_a_checkpoint_and_resume(probe, tmp_path):
     ]
     for name, value in whole.server.global_arrays.items():
         assert torch.equal(resumed.server.global_arrays[name], value), name
-    assert _records(out) == _records(tmp_path / "whole")
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl without the phase times (wall clock)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in lines]
-
-
-def _summary(run_dir: Path) -> dict[str, Any]:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary.pop("wall_time_s")
-    return summary
+    assert metrics_of(out) == metrics_of(tmp_path / "whole")
 
 
 CLI_CONFIG = {
@@ -348,45 +339,19 @@ CLI = (
 )
 
 
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", CLI, *args],
-        cwd=PROJECT,  # imports this checkout's feddomain and tests
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_sigkill_then_resume_restores_every_stations_state(probe, tmp_path):
     """Catches: station state missing from what a SIGKILLed `feddomain run` resumes from (the
     stations' counters and EMAs in metrics.jsonl's diagnostics would restart from zero)."""
-    config = tmp_path / "stations.yaml"
-    config.write_text(yaml.safe_dump(CLI_CONFIG))
-    reference = tmp_path / "reference"
-    assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
+    config = write_config(tmp_path / "stations.yaml", CLI_CONFIG)
+    run_to_end(config, tmp_path / "reference")
     out = tmp_path / "killed"
-    proc = _cli("run", str(config), "--out", str(out), "--quiet")
-    ckpt = out / "checkpoint.pt"
-    deadline = time.time() + 120
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    assert ckpt.exists()
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    saved = checkpoint.load(out)
+    saved = kill_after_checkpoint(config, out, launcher=[sys.executable, "-c", CLI])
     assert saved is not None and 1 <= saved["round"] < 4
     assert [s["steps"] for s in saved["stations"]] == [R * saved["round"]] * 2
-    assert not (out / "summary.json").exists()
 
-    resumed = _cli("run", "--resume", str(out), "--quiet")
-    _, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
-    assert _summary(out) == _summary(reference)
-    assert _records(out) == _records(reference)
-    assert _records(out)[-1]["diagnostics"]["steps"] == [4 * R, 4 * R]
-    assert not ckpt.exists()
+    resume(out)  # in-process, where the probe method is registered
+    assert_resumed_equals(out, tmp_path / "reference")
+    assert metrics_of(out)[-1]["diagnostics"]["steps"] == [4 * R, 4 * R]
 
 
 # ------------------------------------------------------------------------------- bytes
