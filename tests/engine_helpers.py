@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from feddomain.algorithms import METHODS, register
+from feddomain.algorithms.base import ClientAlgorithm, Hparams, MethodSpec, ServerAlgorithm
+from feddomain.algorithms.fedavg import FedAvgHparams
 from feddomain.config import ExperimentConfig, validate_config
 from feddomain.data.dataset import DomainDataset
 from feddomain.data.federated import FederatedData, build_federated_data
@@ -66,3 +71,18 @@ def run_sim(cfg: ExperimentConfig, out: Path, fed: FederatedData | None = None) 
     sim = Simulation(cfg, fed or tiny_federation(cfg), out)
     sim.run()
     return sim
+
+
+@contextmanager
+def temporary_method(
+    name: str,
+    server: type[ServerAlgorithm],
+    client: type[ClientAlgorithm],
+    hparams: type[Hparams] = FedAvgHparams,
+) -> Iterator[None]:
+    """Register a method defined by a test for the duration of a ``with`` block."""
+    register(MethodSpec(name, server, client, hparams))
+    try:
+        yield
+    finally:
+        del METHODS[name]

@@ -4,22 +4,26 @@ stations, determinism."""
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from feddomain.algorithms import METHODS, register
-from feddomain.algorithms.base import ClientAlgorithm, MethodSpec
-from feddomain.algorithms.fedavg import FedAvgHparams, FedAvgServer
+from feddomain.algorithms.base import ClientAlgorithm
+from feddomain.algorithms.fedavg import FedAvgServer
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_TRAIN, INIT, derive_seed, sampling_stream
 from feddomain.models import build_model
-from tests.engine_helpers import run_sim, tiny_config, tiny_dataset, tiny_federation
+from tests.engine_helpers import (
+    run_sim,
+    temporary_method,
+    tiny_config,
+    tiny_dataset,
+    tiny_federation,
+)
 
 
 def test_weighted_mean_matches_hand_computed_example():
@@ -127,16 +131,6 @@ class _EchoAndTamper(ClientAlgorithm):
 
     def uploads(self, n_clients):
         return Uploads(model=("*",))
-
-
-@contextmanager
-def temporary_method(name, server, client):
-    """Register a test-only method for the duration of a ``with`` block."""
-    register(MethodSpec(name, server, client, FedAvgHparams))
-    try:
-        yield
-    finally:
-        del METHODS[name]
 
 
 def test_client_cannot_touch_server_state_and_nan_update_is_rejected(tmp_path):

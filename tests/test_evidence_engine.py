@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from contextlib import contextmanager
 from fractions import Fraction
 from typing import ClassVar
 
@@ -25,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from feddomain.algorithms import METHODS, register
-from feddomain.algorithms.base import ClientAlgorithm, ClientContext, MethodSpec
-from feddomain.algorithms.fedavg import FedAvgHparams, FedAvgServer
+from feddomain.algorithms.base import ClientAlgorithm, ClientContext
+from feddomain.algorithms.fedavg import FedAvgServer
 from feddomain.algorithms.fedprox import FedProxClient, FedProxHparams
 from feddomain.data.federated import FederatedData, build_federated_data
 from feddomain.data.splits import DomainSplit
@@ -38,7 +36,13 @@ from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import INIT, derive_seed
 from feddomain.federation.training import train_epochs
 from feddomain.models import build_model
-from tests.engine_helpers import run_sim, tiny_config, tiny_dataset, tiny_federation
+from tests.engine_helpers import (
+    run_sim,
+    temporary_method,
+    tiny_config,
+    tiny_dataset,
+    tiny_federation,
+)
 
 PROB_TOL = 1e-5  # float32 softmax vs float64 reference, see the module docstring
 TRAIN_SIZES = (36, 18, 9)
@@ -136,15 +140,6 @@ def _bins(conf: torch.Tensor, n_bins: int) -> torch.Tensor:
     for i, c in enumerate(conf.tolist()):
         out[i] = next(b for b in range(n_bins) if c <= (b + 1) / n_bins)
     return out
-
-
-@contextmanager
-def temporary_method(name, server, client, hparams=FedAvgHparams):
-    register(MethodSpec(name, server, client, hparams))
-    try:
-        yield
-    finally:
-        del METHODS[name]
 
 
 def _spy_aggregate(sim: Simulation) -> list[tuple[int, dict, list[tuple[int, Message]]]]:

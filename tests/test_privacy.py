@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
 import yaml
 
-from feddomain.algorithms import METHODS, register
-from feddomain.algorithms.base import MethodSpec
-from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
+from feddomain.algorithms import METHODS
+from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.algorithms.local import LocalClient, LocalServer
 from feddomain.evaluation.report import build_report
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import PrivacyViolation, UploadCheck, Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.training import get_arrays
-from tests.engine_helpers import run_sim, tiny_config, tiny_federation
+from tests.engine_helpers import run_sim, temporary_method, tiny_config, tiny_federation
 
 CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
 # methods that refuse LeNet-5 (they need BatchNorm layers) run on this model
@@ -156,15 +154,6 @@ class _SendsNaNLoss(FedAvgClient):
         if ctx.cid == 2:
             reply.scalars["loss"] = float("nan")
         return reply
-
-
-@contextmanager
-def temporary_method(name, server, client):
-    register(MethodSpec(name, server, client, FedAvgHparams))
-    try:
-        yield
-    finally:
-        del METHODS[name]
 
 
 @pytest.mark.parametrize(

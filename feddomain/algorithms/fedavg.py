@@ -24,7 +24,7 @@ from feddomain.algorithms.base import (
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
-from feddomain.federation.training import get_arrays
+from feddomain.federation.training import LossFn, cross_entropy_loss, get_arrays
 
 
 class FedAvgHparams(Hparams):
@@ -69,7 +69,9 @@ class FedAvgClient(ClientAlgorithm):
     """Load the received model, train E local epochs, return the trained arrays."""
 
     def run(self, msg: Message, ctx: ClientContext) -> Message:
-        stats = ctx.fit(msg.arrays, regularizer=self.regularizer(msg, ctx))
+        stats = ctx.fit(
+            msg.arrays, loss_fn=self.loss_fn(msg, ctx), regularizer=self.regularizer(msg, ctx)
+        )
         return Message(
             "fit",
             get_arrays(ctx.model),
@@ -82,6 +84,10 @@ class FedAvgClient(ClientAlgorithm):
     def uploads(self, n_clients: int) -> Uploads:
         """The trained model (every array), its sample count and mean training loss."""
         return Uploads(model=("*",), scalars=("num_examples", "loss"))
+
+    def loss_fn(self, msg: Message, ctx: ClientContext) -> LossFn:
+        """The per-batch loss (cross-entropy for FedAvg; FedSR's objective, FedSAM's SAM)."""
+        return cross_entropy_loss
 
     def regularizer(self, msg: Message, ctx: ClientContext):
         """Extra loss term added to every batch (none for FedAvg)."""

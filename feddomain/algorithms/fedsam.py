@@ -40,7 +40,7 @@ from feddomain.algorithms.base import ClientContext, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message
-from feddomain.federation.training import LossFn, cross_entropy_loss, get_arrays
+from feddomain.federation.training import LossFn, cross_entropy_loss
 
 
 class FedSAMHparams(FedAvgHparams):
@@ -89,13 +89,8 @@ def _grads(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]
 class FedSAMClient(FedAvgClient):
     """FedAvg's client with the SAM loss: two forward/backward passes per batch."""
 
-    def run(self, msg: Message, ctx: ClientContext) -> Message:
-        stats = ctx.fit(msg.arrays, loss_fn=sam_loss(cross_entropy_loss, self.hp.rho))
-        return Message(
-            "fit",
-            get_arrays(ctx.model),
-            {"num_examples": len(ctx.train), "loss": stats.mean_loss},
-        )
+    def loss_fn(self, msg: Message, ctx: ClientContext) -> LossFn:
+        return sam_loss(cross_entropy_loss, self.hp.rho)
 
 
 register(

@@ -59,7 +59,7 @@ from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServe
 from feddomain.algorithms.registry import register
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.federation.messages import Message
-from feddomain.federation.training import get_arrays
+from feddomain.federation.training import LossFn
 from feddomain.models.base import FeatureClassifier
 
 EVAL_SEED = 0  # the eval-mode noise stream of ``eval_z: sample`` restarts here at every eval()
@@ -220,18 +220,13 @@ def fedsr_loss(hp: FedSRHparams):
 class FedSRClient(FedAvgClient):
     """FedAvg's client with FedSR's objective; it sends the whole model (priors included)."""
 
-    def run(self, msg: Message, ctx: ClientContext) -> Message:
+    def loss_fn(self, msg: Message, ctx: ClientContext) -> LossFn:
         if not isinstance(ctx.model, FedSRModel):
             raise FeddomainError(
                 "fedsr's client needs fedsr's model hook (the probabilistic head); the model "
                 f"is a plain {type(ctx.model).__name__}"
             )
-        stats = ctx.fit(msg.arrays, loss_fn=fedsr_loss(self.hp))
-        return Message(
-            "fit",
-            get_arrays(ctx.model),
-            {"num_examples": len(ctx.train), "loss": stats.mean_loss},
-        )
+        return fedsr_loss(self.hp)
 
 
 register(
