@@ -320,11 +320,30 @@ class Simulation:
     ) -> Message:
         """One client task as its server (or station) sees it: the message goes down, the reply
         comes up and is held against the method's privacy declaration before anything reads it."""
-        self.links.clients.add("down", self.upload_check.message_bytes(msg))
-        reply = self.execute(cid, rnd, msg, station_round, purpose)
         n_samples = int(self.data.client_domain_counts[cid].sum())
-        self.upload_check.check(cid, reply, n_samples)
-        self.links.clients.add("up", self.upload_check.message_bytes(reply))
+        return self._checked(
+            self.links.clients,
+            cid,
+            n_samples,
+            msg,
+            lambda: self.execute(cid, rnd, msg, station_round, purpose),
+        )
+
+    def _checked(
+        self,
+        ledger: Ledger,
+        sender: int,
+        n_samples: int,
+        msg: Message,
+        run: Callable[[], Message],
+    ) -> Message:
+        """``msg`` goes down, ``run()`` produces the reply, which is held against the method's
+        privacy declaration (``n_samples``: the sender's sample count, for the per-sample
+        check) before anything reads it; both are counted on ``ledger``."""
+        ledger.add("down", self.upload_check.message_bytes(msg))
+        reply = run()
+        self.upload_check.check(sender, reply, n_samples)
+        ledger.add("up", self.upload_check.message_bytes(reply))
         return reply
 
     def execute(
@@ -420,11 +439,13 @@ class Simulation:
         """A pilot task as the server sees it, like ``_run_client``: its reply is held against
         the privacy declaration (sender ``PILOT_CID``; one row per pilot image is per-sample
         data) and its bytes are counted."""
-        self.ledger.add("down", self.upload_check.message_bytes(msg))
-        reply = self.execute_pilot(domain, rnd, msg)
-        self.upload_check.check(PILOT_CID, reply, self.pilot_sizes[domain])
-        self.ledger.add("up", self.upload_check.message_bytes(reply))
-        return reply
+        return self._checked(
+            self.ledger,
+            PILOT_CID,
+            self.pilot_sizes[domain],
+            msg,
+            lambda: self.execute_pilot(domain, rnd, msg),
+        )
 
     def execute_pilot(self, domain: str, rnd: int, msg: Message) -> Message:
         """Run the client part on ``domain``'s pilot set (the client side; on Flower, a node
