@@ -66,6 +66,8 @@ class UploadCheck:
         self.method = method
         self.uploads = uploads
         self.model_shapes = {k: tuple(v) for k, v in model.items()}
+        # the model arrays a reply may carry, matched against the patterns once per run
+        self.sendable = {k for k in self.model_shapes if _matches(k, uploads.model)}
 
     def is_model_array(self, name: str, tensor: torch.Tensor) -> bool:
         return self.model_shapes.get(name) == tuple(tensor.shape)
@@ -94,7 +96,7 @@ class UploadCheck:
             )
 
     def _array_problem(self, name: str, shape: tuple[int, ...], n_samples: int) -> str | None:
-        if name in self.model_shapes and _matches(name, self.uploads.model):
+        if name in self.sendable:
             want = self.model_shapes[name]
             return None if shape == want else f"differs from the model's shape {list(want)}"
         declared = self.uploads.statistics.get(name)
