@@ -130,6 +130,9 @@ class TrainConfig(Section):
     # keep each client's optimiser state (momentum, Adam moments) across its rounds (FedDG-GA's
     # protocol) instead of a fresh optimiser per round
     persistent_optimizer: bool = False
+    # after local training, re-estimate BatchNorm running statistics with the final weights over
+    # one pass of the client's training data (PreciseBN); see docs/results.md (issue 11)
+    precise_bn: bool = False
     augment: AugmentSection = Field(default_factory=AugmentSection)
     # per-channel normalisation; None keeps inputs in [0, 1] (hFedF's protocol)
     mean: tuple[float, float, float] | None = None

@@ -57,6 +57,7 @@ from feddomain.federation.training import (
     TrainStats,
     cross_entropy_loss,
     load_optimizer_state,
+    recalibrate_batchnorm,
     save_optimizer_state,
     set_arrays,
     train_epochs,
@@ -113,6 +114,7 @@ class ClientContext:
     normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     drop_last: bool = False
     persistent_optimizer: bool = False
+    precise_bn: bool = False
 
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The configured optimiser over ``params`` at this round's lr; with
@@ -135,7 +137,8 @@ class ClientContext:
         """Load ``arrays`` into the shared model and train it for the configured local epochs
         (the usual client step of every FedAvg-family method): the configured optimiser over
         ``params`` (default: all parameters), plus any ``extra_optimizers`` of the method's own
-        (e.g. an adapter's), stepped together by the shared loop."""
+        (e.g. an adapter's), stepped together by the shared loop. With ``train.precise_bn`` the
+        BatchNorm statistics are then re-estimated with the final weights."""
         set_arrays(self.model, arrays)
         optimizer = self.optimizer(list(self.model.parameters()) if params is None else params)
         stats = train_epochs(
@@ -153,6 +156,8 @@ class ClientContext:
         )
         if self.persistent_optimizer:
             save_optimizer_state(optimizer, self.state)
+        if self.precise_bn:
+            recalibrate_batchnorm(self.model, self.train, self.batch_size, self.generator)
         return stats
 
 

@@ -393,6 +393,7 @@ class Simulation:
             normalization=(t.mean, t.std) if t.mean is not None and t.std is not None else None,
             drop_last=t.drop_last,
             persistent_optimizer=t.persistent_optimizer,
+            precise_bn=t.precise_bn,
         )
 
     def _collect(self) -> None:

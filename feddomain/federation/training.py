@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import update_bn
 
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -75,6 +76,17 @@ def train_epochs(
             examples += int(y.shape[0])
     batch_losses = torch.stack(losses) if losses else torch.zeros(0)
     return TrainStats(steps, examples, float(loss_sum) / max(steps, 1), batch_losses)
+
+
+def recalibrate_batchnorm(
+    model: nn.Module, data: ClientData, batch_size: int, generator: torch.Generator
+) -> None:
+    """Re-estimate every BatchNorm layer's running statistics with the model's final weights:
+    the mean over one pass of ``data``'s batches of each batch's mean and variance (PreciseBN,
+    Wu & Johnson 2021). The running averages kept during training mix statistics of weights that
+    have since moved; on small BN models trained fast they can be far from the final weights'."""
+    with torch.no_grad():
+        update_bn((x for x, _ in data.batches(batch_size, generator)), model)
 
 
 # Optimiser state kept in a client's persistent state (``train.persistent_optimizer``) lives
