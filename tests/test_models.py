@@ -133,6 +133,20 @@ def test_lenet5_adapts_flatten_width_to_resolution() -> None:
         build_model("lenet5", 7, resolution=15)
 
 
+def test_lenet5_batchnorm_variant_normalises_each_conv_before_its_activation() -> None:
+    """The BN model of the CPU profile. Catches: the option ignored (no BatchNorm), BatchNorm
+    after the tanh or the pooling, a conv bias left in front of it, a changed parameter count
+    (61,751 - 22 conv biases + 2 * 22 affine = 61,773)."""
+    model = build_model("lenet5", 7, norm="batch")
+    names = [name for name, _ in model.featurizer.named_children()]
+    assert names[:8] == ["conv1", "bn1", "act1", "pool1", "conv2", "bn2", "act2", "pool2"]
+    assert [m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d)] == [6, 16]
+    assert model.featurizer.conv1.bias is None and model.featurizer.conv2.bias is None
+    assert n_params(model) == 61_773
+    with pytest.raises(ConfigError, match=r"norm='group' is not one of \['none', 'batch'\]"):
+        build_model("lenet5", 7, norm="group")
+
+
 # --- small CNN with a choice of normalisation -------------------------------------------------
 
 
