@@ -316,6 +316,11 @@ ModelHook = Callable[[nn.Module, Hparams], nn.Module]
 ModelCheck = Callable[[nn.Module, Hparams], "str | None"]
 # (the whole experiment config, the method's hyper-parameters) -> None; raises ConfigError
 ConfigCheck = Callable[[Any, Hparams], None]
+# An aggregator's layer around the client part (client part, aggregator hp, the run's model):
+# HFedATM's Gram capture around any client method's training.
+ClientWrapper = Callable[[ClientAlgorithm, Hparams, nn.Module], ClientAlgorithm]
+# An aggregator's layer around the station part (station part, its context, aggregator hp).
+StationWrapper = Callable[[StationAlgorithm, StationContext, Hparams], StationAlgorithm]
 
 
 def model_requirement(method: str, check: ModelCheck) -> ConfigCheck:
@@ -352,7 +357,10 @@ class MethodSpec:
     aggregator whose client part can be another method's (``algorithm.client``).
     ``check_config(cfg, hp)`` refuses, when the config loads, settings elsewhere in the config
     that the method cannot run with (SCAFFOLD: an optimiser other than plain SGD; FedBN: a model
-    without BatchNorm, see ``model_requirement``), raising a ``ConfigError`` that names the key."""
+    without BatchNorm, see ``model_requirement``), raising a ``ConfigError`` that names the key.
+    ``client_wrapper`` / ``station_wrapper``: an aggregator's own layer around whichever client
+    and station parts the run has (HFedATM: Gram capture on the clients, Gram averaging and
+    shrinkage at the stations), so any client method keeps its own logic underneath."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -364,6 +372,8 @@ class MethodSpec:
     model_hook: ModelHook | None = None
     takes_client: bool = False
     check_config: ConfigCheck | None = None
+    client_wrapper: ClientWrapper | None = None
+    station_wrapper: StationWrapper | None = None
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)
@@ -389,11 +399,25 @@ class Method:
     def make_server(self, ctx: ServerContext) -> ServerAlgorithm:
         return self.spec.server(ctx, self.hp)
 
-    def make_client(self) -> ClientAlgorithm:
-        return self.client_spec.client(self.client_hp)
+    def make_client(self, model: nn.Module) -> ClientAlgorithm:
+        """The client method's part, inside the aggregator's ``client_wrapper`` if it has one
+        (``model``: the run's model, for a wrapper that needs its structure)."""
+        client = self.client_spec.client(self.client_hp)
+        if self.spec.client_wrapper is not None:
+            client = self.spec.client_wrapper(client, self.hp, model)
+        return client
 
     def make_station(self, ctx: StationContext) -> StationAlgorithm:
-        return self.spec.station(ctx, self.hp)
+        """The station part: when composed, the client method's own (its station logic, e.g.
+        FedIIR's gradient EMA, stays with its clients), else the method's; inside the
+        aggregator's ``station_wrapper`` if it has one."""
+        if self.client_spec is not self.spec:
+            station = self.client_spec.station(ctx, self.client_hp)
+        else:
+            station = self.spec.station(ctx, self.hp)
+        if self.spec.station_wrapper is not None:
+            station = self.spec.station_wrapper(station, ctx, self.hp)
+        return station
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Apply the client method's model hook, then the aggregator's (when they differ)."""

@@ -167,7 +167,7 @@ def probabilistic_head(model: nn.Module, hp: Hparams) -> FedSRModel:
         map_layer = nn.Linear(model.n_features, 2 * z_dim)
     if classifier.in_features != z_dim:
         classifier = nn.Linear(z_dim, num_classes)
-    return FedSRModel(
+    wrapped = FedSRModel(
         featurizer,
         map_layer,
         classifier,
@@ -178,6 +178,8 @@ def probabilistic_head(model: nn.Module, hp: Hparams) -> FedSRModel:
         eval_z=hp.eval_z,
         freeze_bn_stats=model.freeze_bn_stats,
     )
+    wrapped.arch = model.arch
+    return wrapped
 
 
 def l2r_term(z: Tensor, form: str = "norm") -> Tensor:

@@ -96,7 +96,7 @@ class Simulation:
         self._build = lambda: self.method.prepare_model(build())
         self.model = self._init_model()
         model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
-        self.client = self.method.make_client()
+        self.client = self.method.make_client(self.model)
         self.upload_check = UploadCheck(
             self.method.name, self.client.uploads(self.data.n_clients), model_shapes
         )

@@ -22,6 +22,7 @@ from feddomain.models.hfedf_cnn import hfedf_cnn
 from feddomain.models.lenet import lenet5
 from feddomain.models.resnet import resnet18, resnet50
 from feddomain.models.small_cnn import small_cnn
+from feddomain.models.vgg import vgg11
 
 Builder = Callable[..., FeatureClassifier]
 Normalization = tuple[tuple[float, float, float], tuple[float, float, float]]
@@ -33,12 +34,14 @@ MODELS: dict[str, Builder] = {
     "resnet18": resnet18,
     "resnet50": resnet50,
     "efficientnet_lite0": efficientnet_lite0,
+    "vgg11": vgg11,
 }
 
 IMAGENET_NORMALIZATION: Normalization = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 _PRETRAINED_NORMALIZATION: dict[str, Normalization] = {
     "resnet18": IMAGENET_NORMALIZATION,
     "resnet50": IMAGENET_NORMALIZATION,
+    "vgg11": IMAGENET_NORMALIZATION,
     "efficientnet_lite0": (INPUT_MEAN, INPUT_STD),
 }
 
@@ -81,7 +84,9 @@ def build_model(
         raise ConfigError(f"model {name!r}: num_classes={num_classes!r} must be a positive int")
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
         raise ConfigError(f"model {name!r}: resolution={resolution!r} must be a positive int")
-    return builder(num_classes, resolution=resolution, **options)
+    model = builder(num_classes, resolution=resolution, **options)
+    model.arch = name  # what per-architecture tables (HFedATM's permutation specs) look up
+    return model
 
 
 def input_normalization(name: str) -> Normalization | None:

@@ -23,7 +23,13 @@ class FeatureClassifier(nn.Module):
     successive convolutional stages, shallow to deep (small_cnn's conv blocks, LeNet-5's two
     pooling layers, ResNet's layer1-4); style methods act after them (MixStyle). Empty for a
     model that declares none.
+
+    ``arch`` is the registry name the model was built under (``build_model`` sets it; empty for
+    a model built otherwise), so that tables keyed by architecture (HFedATM's permutation specs)
+    find it after model hooks.
     """
+
+    arch: str = ""
 
     def __init__(
         self,
