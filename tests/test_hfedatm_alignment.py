@@ -187,9 +187,8 @@ def test_a4_matching_never_costs_more_than_identity_and_is_order_and_label_invar
     assert any(m < i - 1e-6 for m, i, _ in result.costs.values())  # unrelated nets: it matters
     gen = torch.Generator().manual_seed(4)
     grams = [random_grams(model, gen) for _ in models]
-    first = merged(
-        server_for(model, 3, fot_solver="exact"), [(m, g, 1) for m, g in zip(models, grams)]
-    )
+    stations = [(m, g, 1) for m, g in zip(models, grams, strict=True)]
+    first = merged(server_for(model, 3, fot_solver="exact"), stations)
     order = [0, 2, 1]
     swapped = merged(
         server_for(model, 3, fot_solver="exact"), [(models[i], grams[i], 1) for i in order]
