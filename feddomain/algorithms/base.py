@@ -216,6 +216,12 @@ class ServerAlgorithm(ABC):
         """JSON-ready values logged with every evaluated round (e.g. GradAlign weights)."""
         return {}
 
+    def timings(self) -> dict[str, float]:
+        """Wall-clock seconds of parts of the latest ``aggregate`` (HFedATM: alignment and
+        RegMean), added to that round's phase times in rounds.jsonl (``time``, which no
+        comparison of runs reads). None by default."""
+        return {}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -23,10 +23,12 @@ the ServerApp process.
 In a flat federation (no stations) each client is a station of one (γ = 1, R = 1): the server
 asks every client for Grams each round and applies the station's processing itself.
 
-Diagnostics (§5, §8 M1/M4), one record per round, logged with the next evaluated round: server
-merge time and its FOT / RegMean parts, the identity fraction of the matches and the matched
+Diagnostics (§5, §8 M1/M4), one record per round, logged with the next evaluated round
+(``diagnostics.merge`` in metrics.jsonl): the identity fraction of the matches and the matched
 against the identity cost summed over groups and stations, per dense layer J(RegMean)/J(mean)
-(≤ 1) and the count of Cholesky → least-squares fallbacks.
+(≤ 1) and the count of Cholesky → least-squares fallbacks. The server's wall-clock time
+(``server_merge``, and its ``server_fot`` / ``server_regmean`` parts) is in every round's phase
+times in rounds.jsonl, beside the round's ``train`` and ``aggregate`` times (A15).
 """
 
 from __future__ import annotations
@@ -244,6 +246,7 @@ class HFedAvgServer(ServerAlgorithm):
         self.global_arrays: Arrays = get_arrays(model)
         self.dense = dense_layers(model)
         self.pending: list[dict[str, Any]] = []  # per-round diagnostics not yet logged
+        self.times: dict[str, float] = {}  # the latest merge's wall-clock parts (seconds)
 
     def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
         scalars = {CAPTURE: True} if self.ctx.stations == 0 and wants_grams(self.hp) else {}
@@ -254,13 +257,14 @@ class HFedAvgServer(ServerAlgorithm):
         if not payloads:  # every station (or client) was rejected: keep the model
             return
         t0 = time.perf_counter()
+        self.times = {}
         order = sorted(payloads)
         gammas = [self._gamma(payloads[u]) for u in order]
         models = [{k: payloads[u].arrays[k] for k in self.global_arrays} for u in order]
         grams = [self._grams(u, payloads[u]) for u in order]
         record: dict[str, Any] = {"round": rnd}
         self.global_arrays = self.merge(models, grams, gammas, record)
-        record["server_s"] = time.perf_counter() - t0
+        self.times["merge"] = time.perf_counter() - t0
         self.pending.append(record)
 
     def _gamma(self, payload: Message) -> float:
@@ -281,6 +285,9 @@ class HFedAvgServer(ServerAlgorithm):
 
     def eval_arrays(self, cid: int | None) -> Arrays | None:
         return None if cid is None else self.global_arrays
+
+    def timings(self) -> dict[str, float]:
+        return self.times
 
     def diagnostics(self) -> dict[str, Any]:
         """The rounds merged since the last evaluation (then forgotten)."""
@@ -341,12 +348,12 @@ class HFedATMServer(HFedAvgServer):
         t0 = time.perf_counter()
         if self.spec is not None:
             models, grams = self._aligned(models, grams, gammas, record)
-        record["fot_s"] = time.perf_counter() - t0
+        self.times["fot"] = time.perf_counter() - t0
         merged = super().merge(models, grams, gammas, record)
         if self.hp.regmean:
             t1 = time.perf_counter()
             merged.update(self._regmean(models, grams, gammas, merged, record))
-            record["regmean_s"] = time.perf_counter() - t1
+            self.times["regmean"] = time.perf_counter() - t1
         return merged
 
     def _reference(self, gammas: list[float]) -> int:

@@ -194,6 +194,7 @@ class Simulation:
         t0 = time.perf_counter()
         self.server.aggregate(rnd, _then_seed(replies, derive_seed(self.cfg.seed, SERVER, rnd)))
         timing["aggregate"] = time.perf_counter() - t0 - timing["train"]  # incl. stations
+        timing.update({f"server_{k}": v for k, v in self.server.timings().items()})
         return {
             "round": rnd,
             "time": timing,
