@@ -25,6 +25,13 @@ from tests.resume_helpers import (
     run_to_end,
     write_config,
 )
+from tests.test_flower import (
+    assert_same_run,
+    demo_config,
+    deploy_loopback,
+    simulate,
+    task_identity,  # noqa: F401 - a fixture the Flower test uses
+)
 
 R = 2  # station rounds
 
@@ -178,6 +185,24 @@ def test_sigkill_then_resume_hfedatm_with_fediir_matches_the_uninterrupted_run(t
     assert_resumed_equals(out, tmp_path / "reference")
     assert [r["round"] for r in metrics_of(out)] == [2, 4]
     assert "merge" in metrics_of(out)[0]["diagnostics"]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_hierarchical_hfedatm_with_fediir_on_flower_equals_the_simulator(tmp_path):
+    """Catches: HFedATM's station layer or FedIIR's station EMA working in-process only (the
+    stations live in the ServerApp on Flower), Gram requests not reaching the nodes, or Grams
+    lost in transport: final server state, metrics (with diagnostics) and summary equal."""
+    cfg = demo_config(
+        "algorithm.name=hfedatm",
+        "algorithm.client.name=fediir",
+        "topology.stations=3",
+        "topology.station_rounds=2",
+    )
+    sim = simulate(cfg, tmp_path / "sim")
+    deploy_loopback(cfg, tmp_path / "flower")
+    assert_same_run(tmp_path / "flower", sim, tmp_path / "sim")
+    metrics = (tmp_path / "flower" / "metrics.jsonl").read_text()
+    assert '"regmean_ratio"' in metrics and '"identity_fraction"' in metrics
 
 
 def test_config_files_load(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from feddomain.federation.messages import Message
 from feddomain.federation.privacy import PrivacyViolation, UploadCheck, Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.training import get_arrays
+from feddomain.merging.gram import gram_shapes
 from tests.engine_helpers import run_sim, temporary_method, tiny_config, tiny_federation
 
 CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
@@ -25,11 +27,14 @@ CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
 MODEL = {"fedbn": "small_cnn", "silobn": "small_cnn"}
 
 # Statistics a method's clients send every round, bytes per client, from the model alone:
-# SCAFFOLD's Δc_i (one float32 per trained parameter, in the fit reply) and FedIIR's
-# classifier-gradient sum (one float32 row of the classifier's size, in a pre-round task).
+# SCAFFOLD's Δc_i (one float32 per trained parameter, in the fit reply), FedIIR's
+# classifier-gradient sum (one float32 row of the classifier's size, in a pre-round task) and
+# HFedATM's Grams ([d_in, d_in] float32 per Linear, in the fit reply).
 PER_ROUND_STATISTICS = {
     "scaffold": lambda sim: 4 * sum(p.numel() for p in sim.model.parameters()),
     "fediir": lambda sim: 4 * sum(p.numel() for p in sim.model.classifier.parameters()),
+    # HFedATM in a flat federation: every client sends one input Gram per dense layer a round
+    "hfedatm": lambda sim: sum(4 * math.prod(s) for s in gram_shapes(sim.model, 4096).values()),
 }
 
 
