@@ -20,6 +20,7 @@ from tests.engine_helpers import tiny_config
 
 ARCHS = {
     "lenet5": {},
+    "lenet5_bn": {"norm": "batch"},
     "vgg11": {"hidden": 32},  # torchvision's VGG-11 convs; narrow hidden layers for a CPU test
     "resnet18": {},
     "hfedf_cnn": {},
@@ -32,7 +33,7 @@ def make_model(arch: str, seed: int) -> nn.Module:
     """A model with random weights and (for BatchNorm) random running statistics, float64, in
     eval mode so that its function is fixed."""
     torch.manual_seed(seed)
-    model = build_model(arch, 5, resolution=32, **ARCHS[arch])
+    model = build_model(arch.removesuffix("_bn"), 5, resolution=32, **ARCHS[arch])
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.normal_()
@@ -96,7 +97,7 @@ def merged(server: HFedATMServer, stations: list[tuple[dict, dict, int]]):
 
 
 @pytest.mark.parametrize("solver", SOLVERS, ids=lambda s: s.kind)
-@pytest.mark.parametrize("arch", ["lenet5", "vgg11", "resnet18", "hfedf_cnn", "small_cnn"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_a1_a_permuted_copy_is_recovered_exactly_and_merges_back_to_the_original(arch, solver):
     """A1. Catches: a tensor the spec forgets (BatchNorm buffers, the flatten->Linear columns,
     a residual member, an Inception pass-through) — the permuted copy would compute another

@@ -347,11 +347,40 @@ def test_efficientnet_without_the_extra_says_how_to_install(monkeypatch) -> None
         build_model("efficientnet_lite0", 7)
 
 
+# --- VGG-11 (hfedatm.md §2.7) --------------------------------------------------------------
+
+
+def test_vgg11_is_torchvisions_with_a_k_way_head() -> None:
+    """Catches: a VGG-11 whose body differs from torchvision's configuration "A" (layer count,
+    widths, the 7x7 pooled flatten) or whose head is not replaced. Counted on the meta device."""
+    from torchvision.models import vgg11 as tv_vgg11
+
+    with torch.device("meta"):
+        ours, reference = build_model("vgg11", 7), tv_vgg11(weights=None)
+    head = 4096 * 1000 + 1000
+    assert n_params(ours) == n_params(reference) - head + 4096 * 7 + 7
+    assert ours.featurizer.classifier[0].in_features == 512 * 7 * 7
+    assert [k for k in ours.state_dict() if k.startswith("featurizer.features.")] == [
+        f"featurizer.{k}" for k in reference.state_dict() if k.startswith("features.")
+    ]
+    narrow = build_model("vgg11", 3, hidden=16)
+    assert narrow(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_vgg11_refuses_bad_options_naming_them(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="weights_path needs hidden=4096, not 16"):
+        build_model("vgg11", 3, hidden=16, weights_path=str(tmp_path / "w.pt"))
+    with pytest.raises(ConfigError, match="weights_path: file not found"):
+        build_model("vgg11", 3, weights_path=str(tmp_path / "w.pt"))
+    with pytest.raises(ConfigError, match="resolution=16 is below 32"):
+        build_model("vgg11", 3, resolution=16)
+
+
 # --- registry ----------------------------------------------------------------------------------
 
 
 def test_registry_names_and_options() -> None:
-    assert set(MODELS) == {*RANDOM_INIT, "efficientnet_lite0"}
+    assert set(MODELS) == {*RANDOM_INIT, "efficientnet_lite0", "vgg11"}
     assert model_options("hfedf_cnn") == {"fc_act": "none"}
     assert model_options("resnet18") == {"weights_path": None, "freeze_bn_stats": False}
     assert isinstance(build_model("lenet5", 3), FeatureClassifier)

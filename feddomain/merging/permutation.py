@@ -200,8 +200,12 @@ def _chain(model: nn.Module, arch: str, blocks: Sequence[tuple[str, str | None]]
 
 
 def lenet5_spec(model: nn.Module) -> PermutationSpec:
-    """conv1 -> conv2 -> flatten (16 x 5 x 5 at 32 px) -> fc1."""
-    blocks = [("featurizer.conv1", None), ("featurizer.conv2", None)]
+    """conv1 (-> bn1) -> conv2 (-> bn2) -> flatten (16 x 5 x 5 at 32 px) -> fc1."""
+    f = model.featurizer
+    blocks = [
+        (f"featurizer.conv{i}", f"featurizer.bn{i}" if hasattr(f, f"bn{i}") else None)
+        for i in (1, 2)
+    ]
     return _chain(model, "lenet5", blocks, "featurizer.fc1")
 
 
@@ -306,10 +310,11 @@ def permutation_spec(model: nn.Module) -> PermutationSpec:
             "set algorithm.fot: false to merge without alignment"
         )
     spec = SPECS[arch](model)
-    covered = {f.removesuffix(".weight") for g in spec.groups for f in g.filters}
-    if covered != convs:
+    norms = {n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    covered = {t.rsplit(".", 1)[0] for g in spec.groups for t in (*g.filters, *g.norms)}
+    if not covered >= convs | norms:
         raise ConfigError(
-            f"hfedatm: the permutation spec of {arch} does not cover the convolutions "
-            f"{sorted(convs - covered)} of this model"
+            f"hfedatm: the permutation spec of {arch} does not cover the layers "
+            f"{sorted((convs | norms) - covered)} of this model"
         )
     return spec
