@@ -401,5 +401,6 @@ def test_input_normalization_for_pretrained_models() -> None:
     assert input_normalization("efficientnet_lite0") == ((0.5,) * 3, (0.5,) * 3)
     assert input_normalization("resnet50") == IMAGENET_NORMALIZATION
     assert input_normalization("lenet5") is None
-    with pytest.raises(ConfigError, match="unknown name 'vgg11'"):
-        input_normalization("vgg11")
+    assert input_normalization("vgg11") == IMAGENET_NORMALIZATION
+    with pytest.raises(ConfigError, match="unknown name 'vgg16'"):
+        input_normalization("vgg16")
