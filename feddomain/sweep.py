@@ -172,8 +172,9 @@ def _load(config: Path, items: list[str], point: list[str]) -> ExperimentConfig:
 
 
 def _slug(text: str) -> str:
-    """A directory name: characters other than letters, digits and ``._+-=,[]`` become ``_``."""
-    return re.sub(r"[^A-Za-z0-9._+\-=,\[\]]", "_", text)
+    """A directory name: spaces dropped, characters other than letters, digits and
+    ``._+-=,:[]{}`` replaced by ``_`` (a path separator above all)."""
+    return re.sub(r"[^A-Za-z0-9._+\-=,:\[\]{}]", "_", text.replace(" ", ""))
 
 
 def _check_distinct(runs: list[SweepRun]) -> None:
