@@ -197,6 +197,8 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
     """The resolved config (re-loadable as is) and the provenance of the code that ran it."""
     import torch
 
+    from feddomain.federation.device import describe as describe_device
+
     provenance = {
         "feddomain_version": feddomain.__version__,
         "git_commit": _git_commit(),
@@ -205,6 +207,7 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
         "command": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seed": cfg.seed,
+        "device": describe_device(cfg.device),
     }
     _write_atomic(run_dir / "provenance.yaml", yaml.safe_dump(provenance, sort_keys=False))
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -281,8 +281,13 @@ _events: Any = None  # the worker's queue of start events to the parent
 def _init_worker(parent: int, events: Any) -> None:
     """Per worker process: report starts on ``events``; leave Ctrl-C to the parent (which
     kills running workers itself); exit as soon as the parent is gone."""
+    from feddomain.federation.device import CUBLAS_WORKSPACE
+
     global _events
     _events = events
+    # read once per process, at the first cuBLAS call: a worker may run a deterministic run
+    # after another (apply_determinism sets it too late there); harmless for the others
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
