@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import yaml
 from feddomain.cli import main
 from feddomain.config import load_config
 from feddomain.errors import ConfigError, FeddomainError
-from feddomain.sweep import parse_grid, plan, yaml_text
+from feddomain.sweep import RunState, SweepRun, _settle, parse_grid, plan, yaml_text
 from tests.resume_helpers import FEDDOMAIN, PROJECT, metrics_of, summary_of
 
 SMALL = {
@@ -211,3 +213,19 @@ def test_sigkill_of_the_sweep_then_rerun_equals_one_process_runs(config: Path, t
         assert main(["run", str(config), *overrides, "--out", str(reference), "--quiet"]) == 0
         assert summary_of(out / name) == summary_of(reference), name
         assert metrics_of(out / name) == metrics_of(reference), name
+
+
+def test_a_dead_worker_fails_its_run_and_the_runs_it_had_not_started_go_again(tmp_path: Path):
+    """Catches a worker's death (killed, out of memory) failing every queued run of the pool,
+    or being retried forever: only the run it was running fails; queued ones stay queued for
+    the fresh pool ``run_sweep`` starts."""
+    running, queued = (
+        RunState(SweepRun(n, tmp_path / n, {}), status=s)
+        for n, s in (("a", "running"), ("b", "queued"))
+    )
+    for state in (running, queued):
+        fut: Future = Future()
+        fut.set_exception(BrokenProcessPool("a child process terminated abruptly"))
+        _settle(fut, state)
+    assert running.status == "failed" and "worker process died" in (running.error or "")
+    assert queued.status == "queued" and queued.error is None
