@@ -52,9 +52,19 @@ def test_seeds_of_one_setting_stay_one_group(tmp_path: Path):
 
 
 def test_only_the_settings_that_differ_are_named(tmp_path: Path):
-    """Catches labels naming every setting of the run instead of the differing ones, and a
-    setting missing from one config not told apart from an explicit value."""
+    """Catches labels naming every setting of the run instead of the differing ones; a
+    setting a config leaves out is shown with the schema's default."""
     _fedprox(tmp_path / "a", 0, 0.01, 0.60, rounds=10, train={"lr": 0.1})
     _fedprox(tmp_path / "b", 0, 0.01, 0.70, rounds=10)
     labels = {r.algorithm for r in build_report([tmp_path]).runs}
-    assert labels == {"fedprox (train.lr=0.1)", "fedprox (train.lr=default)"}
+    assert labels == {"fedprox (train.lr=0.1)", "fedprox (train.lr=0.001)"}
+
+
+def test_a_run_written_before_a_setting_existed_matches_one_at_its_default(tmp_path: Path):
+    """Catches a new config key (here ``precision``, and ``device``, which says only where a
+    run ran) splitting the seeds of one experiment into old and new runs."""
+    _fedprox(tmp_path / "old", 0, 0.01, 0.60)
+    _fedprox(tmp_path / "new", 1, 0.01, 0.70, precision="fp32", device="cuda:1")
+    _fedprox(tmp_path / "bf16", 2, 0.01, 0.50, precision="bf16")
+    labels = [r.algorithm for r in sorted(build_report([tmp_path]).runs, key=lambda r: r.seed)]
+    assert labels == ["fedprox (precision=fp32)"] * 2 + ["fedprox (precision=bf16)"]

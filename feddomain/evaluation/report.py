@@ -27,6 +27,7 @@ import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
+from feddomain.config import ExperimentConfig
 from feddomain.errors import ConfigError, DataError
 from feddomain.evaluation.selection import RULES, select
 from feddomain.federation.privacy import CLIENT_SERVER, KINDS
@@ -312,7 +313,7 @@ def _consistency_warnings(run: RunResult, selection: str) -> list[str]:
 # axes), and where or how fast it ran.
 NOT_SETTINGS = frozenset(
     {"name", "seed", "split.targets", "threads", "checkpoint.every", "dataset.root",
-     "dataset.cache_dir", "eval.batch_size", "algorithm.label"}
+     "dataset.cache_dir", "eval.batch_size", "algorithm.label", "device", "deterministic"}
 )  # fmt: skip
 
 
@@ -321,7 +322,8 @@ def label_by_settings(runs: list[RunResult]) -> list[RunResult]:
     the settings that differ among them added to it, e.g. ``fedprox (mu=0.01)``: otherwise two
     FedProx runs with different ``mu`` are one seed group (different seeds: averaged together)
     or refused as duplicates (the same seed)."""
-    settings = {run.path: _settings(run.path / "config.yaml") for run in runs}
+    defaults = _flatten(ExperimentConfig().to_dict())  # for keys a run's config lacks (older)
+    settings = {run.path: {**defaults, **_settings(run.path / "config.yaml")} for run in runs}
     by_label: dict[tuple[str, str], list[RunResult]] = {}
     for run in runs:  # per dataset: other datasets may need other settings (resolution, model)
         by_label.setdefault((run.algorithm, run.dataset), []).append(run)
@@ -340,8 +342,7 @@ def label_by_settings(runs: list[RunResult]) -> list[RunResult]:
 
 
 def _settings(path: Path) -> dict[str, str]:
-    """A run's config flattened to dotted keys, values as text (strings as they are, anything
-    else as compact JSON)."""
+    """A run's config as written, flattened."""
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
@@ -350,6 +351,11 @@ def _settings(path: Path) -> dict[str, str]:
         raise DataError(f"{path}: expected a mapping of config keys, got {type(raw).__name__}")
     if isinstance(raw.get("algorithm"), str):  # the `algorithm: fedavg` shorthand
         raw["algorithm"] = {"name": raw["algorithm"]}
+    return _flatten(raw)
+
+
+def _flatten(raw: dict) -> dict[str, str]:
+    """Dotted keys (less ``NOT_SETTINGS``) to text: strings as they are, else compact JSON."""
     flat: dict[str, str] = {}
 
     def walk(node: dict, prefix: str) -> None:
