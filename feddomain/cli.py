@@ -1,4 +1,4 @@
-"""Command line: ``feddomain demo | run | report | data describe | partition | export | flower``.
+"""Command line: ``feddomain demo | run | sweep | report | data ... | flower``.
 
 Every user-facing failure is a ``FeddomainError`` whose message names the file, key or value at
 fault; ``main`` prints it on one line and exits with status 2 instead of a traceback. ``data
@@ -19,11 +19,13 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 import feddomain
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError
 from feddomain.federation.flower.commands import add_commands as add_flower_commands
+from feddomain.sweep import add_command as add_sweep_command
 
 console = Console(stderr=True)
 PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = args.func(args)
     except FeddomainError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        # escaped: a message quoting a list ("seed=[0,1]") must not be read as rich markup
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
@@ -112,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", type=Path, required=True, help="new folder for the sites")
     exp.set_defaults(func=cmd_export)
     add_flower_commands(sub)
+    add_sweep_command(sub)
     return p
 
 
@@ -193,6 +197,8 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
     """The resolved config (re-loadable as is) and the provenance of the code that ran it."""
     import torch
 
+    from feddomain.federation.device import describe as describe_device
+
     provenance = {
         "feddomain_version": feddomain.__version__,
         "git_commit": _git_commit(),
@@ -201,6 +207,7 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
         "command": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seed": cfg.seed,
+        "device": describe_device(cfg.device),
     }
     _write_atomic(run_dir / "provenance.yaml", yaml.safe_dump(provenance, sort_keys=False))
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -166,6 +166,10 @@ class ExperimentConfig(Section):
     seed: int = 0
     rounds: int = Field(30, ge=1)
     threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default
+    # where clients train and models are evaluated: auto (CUDA when available), cpu, cuda, cuda:N
+    device: str = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: mixed precision (CUDA only)
+    deterministic: bool = False  # deterministic CUDA kernels (cuDNN, cuBLAS); docs/performance.md
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     split: SplitConfig = Field(default_factory=SplitConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
@@ -180,6 +184,13 @@ class ExperimentConfig(Section):
     @classmethod
     def _algorithm_from_name(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _device_available(self) -> ExperimentConfig:
+        from feddomain.federation.device import check_device  # late: it imports torch
+
+        check_device(self.device, self.precision)
+        return self
 
     @model_validator(mode="after")
     def _site_options(self) -> ExperimentConfig:

@@ -63,6 +63,23 @@ class FederatedData:
     def n_clients(self) -> int:
         return len(self.train)
 
+    def to(self, device: torch.device) -> FederatedData:
+        """Every split's tensors on ``device``, moved once (itself on the CPU it is on)."""
+        if device.type == "cpu":
+            return self
+
+        def on(sets: dict[str, ClientData]) -> dict[str, ClientData]:
+            return {d: s.to(device) for d, s in sets.items()}
+
+        return replace(
+            self,
+            train=[c.to(device) for c in self.train],
+            val=[c.to(device) for c in self.val],
+            targets=on(self.targets),
+            ood_val=on(self.ood_val),
+            pilots=on(self.pilots),
+        )
+
     def pooled(self) -> FederatedData:
         """One client holding every client's training and validation data (Central)."""
         return replace(

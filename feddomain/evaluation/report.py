@@ -3,7 +3,8 @@
 A run directory holds ``summary.json``, ``metrics.jsonl`` and ``config.yaml``. Numbers in the
 tables come from ``metrics.jsonl`` under an explicit selection rule (``selection.py``), not from
 the summary alone, so one set of runs can be reported under every rule. Runs are grouped by
-(algorithm label, dataset, target domain(s)) and summarised as mean ± std over seeds.
+(algorithm label, dataset, target domain(s)) and summarised as mean ± std over seeds; runs of one
+label whose configs differ get the differing settings added to their label (``fedprox (mu=0.1)``).
 
 Malformed input is an error naming the file, because a silently dropped seed would change a
 mean ± std without a trace. The one exception is an unfinished run (``metrics.jsonl`` or
@@ -19,12 +20,14 @@ import csv
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import yaml
 from matplotlib.figure import Figure
 
+from feddomain.config import ExperimentConfig
 from feddomain.errors import ConfigError, DataError
 from feddomain.evaluation.selection import RULES, select
 from feddomain.federation.privacy import CLIENT_SERVER, KINDS
@@ -306,6 +309,73 @@ def _consistency_warnings(run: RunResult, selection: str) -> list[str]:
     return out
 
 
+# Settings that do not make two runs different experiments: the seed and targets (a group's own
+# axes), and where or how fast it ran.
+NOT_SETTINGS = frozenset(
+    {"name", "seed", "split.targets", "threads", "checkpoint.every", "dataset.root",
+     "dataset.cache_dir", "eval.batch_size", "algorithm.label", "device", "deterministic"}
+)  # fmt: skip
+
+
+def label_by_settings(runs: list[RunResult]) -> list[RunResult]:
+    """Runs that share a label but not their settings (config.yaml, less ``NOT_SETTINGS``) get
+    the settings that differ among them added to it, e.g. ``fedprox (mu=0.01)``: otherwise two
+    FedProx runs with different ``mu`` are one seed group (different seeds: averaged together)
+    or refused as duplicates (the same seed)."""
+    defaults = _flatten(ExperimentConfig().to_dict())  # for keys a run's config lacks (older)
+    settings = {run.path: {**defaults, **_settings(run.path / "config.yaml")} for run in runs}
+    by_label: dict[tuple[str, str], list[RunResult]] = {}
+    for run in runs:  # per dataset: other datasets may need other settings (resolution, model)
+        by_label.setdefault((run.algorithm, run.dataset), []).append(run)
+    out = []
+    for (label, _), members in by_label.items():
+        keys = sorted({k for m in members for k in settings[m.path]})
+        varied = [k for k in keys if len({settings[m.path].get(k) for m in members}) > 1]
+        for run in members:
+            if varied:
+                shown = ", ".join(
+                    f"{_short(k)}={settings[run.path].get(k, 'default')}" for k in varied
+                )
+                run = replace(run, algorithm=f"{label} ({shown})")
+            out.append(run)
+    return out
+
+
+def _settings(path: Path) -> dict[str, str]:
+    """A run's config as written, flattened."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise DataError(f"{path}: cannot read the run's config ({err})") from err
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: expected a mapping of config keys, got {type(raw).__name__}")
+    if isinstance(raw.get("algorithm"), str):  # the `algorithm: fedavg` shorthand
+        raw["algorithm"] = {"name": raw["algorithm"]}
+    return _flatten(raw)
+
+
+def _flatten(raw: dict) -> dict[str, str]:
+    """Dotted keys (less ``NOT_SETTINGS``) to text: strings as they are, else compact JSON."""
+    flat: dict[str, str] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, dotted + ".")
+            elif dotted not in NOT_SETTINGS:
+                text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+                flat[dotted] = text
+
+    walk(raw, "")
+    return flat
+
+
+def _short(key: str) -> str:
+    """A method's own hyper-parameters are shown without the ``algorithm.`` prefix."""
+    return key.removeprefix("algorithm.")
+
+
 def _group(runs: list[RunResult]) -> list[GroupResult]:
     by_key: dict[tuple[str, str, str], list[RunResult]] = {}
     for run in runs:
@@ -342,6 +412,7 @@ def build_report(
         run, notes = load_run(run_dir, selection)
         runs.append(run)
         warnings += notes
+    runs = label_by_settings(runs)
     report = Report(selection, runs, _group(runs), warnings)
     if out is not None:
         write_outputs(report, Path(out))

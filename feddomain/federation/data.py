@@ -38,6 +38,8 @@ class ClientData:
         ``drop_last`` skips a final partial batch (its loss would be noisier than the others)."""
         n = len(self)
         order = torch.randperm(n, generator=generator) if shuffle else None
+        if order is not None:  # drawn on the CPU generator: the same order on every device
+            order = order.to(self.inputs.device)
         stop = n - n % batch_size if drop_last else n
         for start in range(0, stop, batch_size):
             if order is None:
@@ -49,6 +51,12 @@ class ClientData:
                 idx = order[start : start + batch_size]
                 x, y = self.inputs[idx], self.labels[idx]
             yield (self.transform(x, generator) if self.transform else x), y
+
+    def to(self, device: torch.device) -> ClientData:
+        """This split on ``device`` (itself when it is there already)."""
+        if self.inputs.device == device and self.labels.device == device:
+            return self
+        return ClientData(self.inputs.to(device), self.labels.to(device), self.transform)
 
     @staticmethod
     def concat(parts: list[ClientData]) -> ClientData:

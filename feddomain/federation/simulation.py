@@ -37,6 +37,7 @@ from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, wor
 from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
 from feddomain.federation.data import ClientData
+from feddomain.federation.device import apply_determinism, autocast, move, resolve_device
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Ledger, Links, UploadCheck, non_finite_scalars
 from feddomain.federation.topology import (
@@ -55,6 +56,7 @@ from feddomain.models import build_model
 from feddomain.models.frozen import head_model
 
 log = logging.getLogger("feddomain")
+CPU = torch.device("cpu")
 
 
 def make_optimizer_factory(
@@ -81,8 +83,10 @@ class Simulation:
         progress: Callable[[int, dict[str, Any] | None], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        apply_determinism(cfg.deterministic)
         self.method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
-        self.data = data.pooled() if self.method.spec.pooled else data
+        self.data = (data.pooled() if self.method.spec.pooled else data).to(self.device)
         self.out = out_dir
         self.progress = progress
         n_classes = len(data.classes)
@@ -94,7 +98,7 @@ class Simulation:
                 cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
             )
         self._build = lambda: self.method.prepare_model(build())
-        self.model = self._init_model()
+        self.model = self._init_model().to(self.device)  # initialised on the CPU, then moved
         model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
         self.client = self.method.make_client(self.model)
         self.upload_check = UploadCheck(
@@ -360,7 +364,16 @@ class Simulation:
         keys = (purpose, rnd, cid, station_round)
         torch.manual_seed(derive_seed(self.cfg.seed, *keys))
         ctx = self._context(cid, rnd, generator(self.cfg.seed, *keys), station_round)
-        return self.client.run(msg.copy(), ctx).copy()
+        return self._on_device(msg, ctx)
+
+    def _on_device(self, msg: Message, ctx: ClientContext) -> Message:
+        """Run the client part with its message and state on the run's device (and its
+        precision); the reply and the state it keeps come back to the CPU."""
+        move(ctx.state, self.device)
+        with autocast(self.device, self.cfg.precision):
+            reply = self.client.run(move(msg.copy(), self.device), ctx)
+        move(ctx.state, CPU)
+        return move(reply.copy(), CPU)
 
     def _context(
         self, cid: int, rnd: int, gen: torch.Generator, station_round: int = 0
@@ -455,7 +468,7 @@ class Simulation:
         keys = (PILOT_TASK, rnd, self.data.split.test.index(domain))
         torch.manual_seed(derive_seed(self.cfg.seed, *keys))
         ctx = self._pilot_context(domain, rnd, generator(self.cfg.seed, *keys))
-        return self.client.run(msg.copy(), ctx).copy()
+        return self._on_device(msg, ctx)
 
     def _pilot_context(self, domain: str, rnd: int, gen: torch.Generator) -> ClientContext:
         """A context whose data is the pilot set (labels withheld: all UNLABELED), with no
@@ -522,10 +535,11 @@ class Simulation:
         return self.score(val) if len(val) else None
 
     def score(self, data: ClientData) -> EvalResult:
-        """Metrics of the model now loaded in the shared model object, on ``data``."""
-        return evaluate_probs(
-            predict_probs(self.model, data, self.cfg.eval.batch_size), data.labels
-        )
+        """Metrics of the model now loaded in the shared model object, on ``data`` (predicted
+        on the run's device, scored on the CPU)."""
+        with autocast(self.device, self.cfg.precision):
+            probs = predict_probs(self.model, data, self.cfg.eval.batch_size)
+        return evaluate_probs(probs.cpu(), data.labels.cpu())
 
     def score_held_out(self) -> tuple[dict[str, EvalResult], dict[str, EvalResult]]:
         """The loaded model on every held-out domain: (test domains, validation domains)."""

@@ -68,7 +68,7 @@ def train_epochs(
             for o in optimizers:
                 o.step()
             loss = loss.detach()
-            loss_sum += loss
+            loss_sum = loss_sum + loss  # not +=: the CPU zero must take a CUDA loss too
             losses.append(loss)
             if on_step is not None:
                 on_step(steps, loss)

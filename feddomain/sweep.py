@@ -1,0 +1,389 @@
+"""``feddomain sweep``: a grid of settings x every target split, run in worker processes.
+
+Each run is one (grid point, target split) with its own directory ``OUT/<point>/<split>``,
+holding exactly what ``feddomain run`` writes, so any run can also be inspected, resumed
+(``feddomain run --resume``) or reported on its own. Running the same command again skips the
+finished runs (``summary.json``) and resumes the others from their last checkpoint, through the
+same code as ``run --resume``. Workers die with the sweep's parent process (a watchdog thread),
+so a sweep killed outright leaves no orphan still writing into a run directory that the rerun
+takes over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from feddomain.config import ExperimentConfig, load_config
+from feddomain.errors import ConfigError, FeddomainError
+
+ERROR_LOG = "error.log"  # the traceback of a failed run, in its directory
+STYLES = {"queued": "dim", "running": "cyan", "done": "green", "skipped": "green", "failed": "red"}
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``feddomain sweep`` on the CLI's sub-command parser."""
+    sw = sub.add_parser(
+        "sweep",
+        help="a grid of settings x every target split, in parallel worker processes",
+        description=(
+            "Run CONFIG for every combination of the --grid values and every target split, "
+            "each run in OUT/<settings>/<split>. Rerunning the same command skips finished "
+            "runs and resumes interrupted ones; a report of OUT is written at the end."
+        ),
+    )
+    sw.add_argument("config", type=Path, help="YAML config")
+    sw.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
+    sw.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=[V1,V2]",
+        help="a dotted key and the YAML list of its values, e.g. 'seed=[0,1,2]' (repeatable)",
+    )
+    sw.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    sw.add_argument("--out", type=Path, required=True, help="sweep directory (new or to resume)")
+    sw.add_argument("--quiet", action="store_true", help="no live table")
+    sw.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Exit status 1 when a run failed (the others still ran), 130 when interrupted."""
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
+    grid = [parse_grid(text) for text in args.grid]
+    runs = plan(args.config, args.overrides, grid, args.out)
+    console = Console(stderr=True)
+    try:
+        states = run_sweep(runs, args.jobs, console=None if args.quiet else console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: rerun the same command to resume the sweep")
+        return 130
+    for s in states:
+        if s.status == "failed":
+            console.print(f"[red]failed[/] {escape(s.run.name)}: {escape(s.error or '')}")
+    if not args.quiet:
+        console.print(_table(states))
+    _report(args.out, [s for s in states if s.status in ("done", "skipped")], console)
+    return 1 if any(s.status == "failed" for s in states) else 0
+
+
+# ----------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class SweepRun:
+    """One (grid point, target split): its directory and its full resolved config."""
+
+    name: str  # the directory relative to the sweep's, e.g. "algorithm=fedprox,seed=0/lodo-grey"
+    out: Path
+    config: dict[str, Any]  # ExperimentConfig.to_dict(), what the worker validates and runs
+
+
+def parse_grid(text: str) -> tuple[str, list[Any]]:
+    """``'seed=[0,1,2]'`` -> ``("seed", [0, 1, 2])``; the values are a YAML list."""
+    key, sep, values = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--grid {text!r} must look like KEY=[V1,V2] (e.g. seed=[0,1,2])")
+    try:
+        parsed = yaml.safe_load(values)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--grid {text!r}: the values are not a YAML list ({err})") from None
+    if not isinstance(parsed, list) or not parsed:
+        raise ConfigError(
+            f"--grid {text!r}: the values must be a non-empty list like {key}=[a,b], got {parsed!r}"
+        )
+    return key, parsed
+
+
+def plan(
+    config: Path, overrides: list[str], grid: list[tuple[str, list[Any]]], out: Path
+) -> list[SweepRun]:
+    """Every run of the sweep in order (grid points in the order given, then targets); each
+    config is validated now, so a bad combination fails before any training, and a run
+    directory left by a sweep with other settings is refused."""
+    keys = [key for key, _ in grid]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--grid names a key twice: {keys}")
+    runs = []
+    for values in itertools.product(*(vals for _, vals in grid)):
+        point = [f"{k}={yaml_text(v)}" for k, v in zip(keys, values, strict=True)]
+        cfg = _load(config, [*overrides, *point], point)
+        for target in split_targets(cfg):
+            items = [*overrides, *point]
+            if target is not None:
+                items.append(f"split.targets=[{yaml_text(target)}]")
+            parts = [p for p in (_slug(",".join(point)), target and f"lodo-{_slug(target)}") if p]
+            name = "/".join(parts)
+            run_cfg = _load(config, items, point).to_dict()
+            runs.append(SweepRun(name or ".", out.joinpath(*parts), run_cfg))
+    _check_distinct(runs)
+    for run in runs:
+        _check_saved(run)
+    return runs
+
+
+def yaml_text(value: Any) -> str:
+    """``value`` as YAML flow text that reads back as the same value (``1.0e-05``, not the
+    string ``1e-05``), for an override."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    return text.removesuffix("\n...").strip()
+
+
+def split_targets(cfg: ExperimentConfig) -> list[str | None]:
+    """The target domain of each split ``feddomain run`` would run (leave-one-domain-out: one
+    per target); ``[None]`` for a config with a single split (a scheme, or sites)."""
+    if cfg.split.scheme != "lodo" or cfg.partition.name == "sites":
+        return [None]
+    if cfg.split.targets is not None:
+        return list(cfg.split.targets)
+    from feddomain.data.federated import load_experiment_dataset
+    from feddomain.data.sources import get_spec
+
+    domains = get_spec(cfg.dataset.name).domains
+    return list(domains or load_experiment_dataset(cfg).domains)
+
+
+def _load(config: Path, items: list[str], point: list[str]) -> ExperimentConfig:
+    try:
+        return load_config(config, items)
+    except ConfigError as err:
+        raise ConfigError(f"grid point {', '.join(point) or '(none)'}: {err}") from None
+
+
+def _slug(text: str) -> str:
+    """A directory name: spaces dropped, characters other than letters, digits and
+    ``._+-=,:[]{}`` replaced by ``_`` (a path separator above all)."""
+    return re.sub(r"[^A-Za-z0-9._+\-=,:\[\]{}]", "_", text.replace(" ", ""))
+
+
+def _check_distinct(runs: list[SweepRun]) -> None:
+    seen: dict[Path, SweepRun] = {}
+    for run in runs:
+        if run.out in seen:
+            raise ConfigError(
+                f"two runs of the sweep would share the directory {run.out} "
+                f"(grid values that differ only in characters a directory name cannot hold)"
+            )
+        seen[run.out] = run
+
+
+def _check_saved(run: SweepRun) -> None:
+    """Refuse a run directory whose saved config is not this run's (an earlier sweep with other
+    settings in the same --out): resuming it would mix two experiments."""
+    saved = run.out / "config.yaml"
+    if saved.is_file() and load_config(saved).to_dict() != run.config:
+        raise FeddomainError(
+            f"{saved} holds other settings than this sweep gives run {run.name}; "
+            f"choose a new --out, or delete {run.out} to redo it"
+        )
+
+
+# ------------------------------------------------------------------------------ running
+@dataclass
+class RunState:
+    """What the parent knows of one run, for the live table and the final account."""
+
+    run: SweepRun
+    status: str = "queued"  # queued | running | done | skipped (done earlier) | failed
+    started: float | None = None
+    seconds: float | None = None  # wall time of this session's attempt
+    result: dict[str, Any] = field(default_factory=dict)  # ood_acc, id_acc of the summary
+    error: str | None = None
+    pid: int | None = None  # the worker running it
+
+
+def run_sweep(runs: list[SweepRun], jobs: int, console: Console | None = None) -> list[RunState]:
+    """Run every unfinished run in ``jobs`` worker processes; a failed run is recorded with its
+    error and the others go on. With a ``console``, a live table shows every run's state."""
+    states = [RunState(r) for r in runs]
+    for s in states:
+        if (s.run.out / "summary.json").is_file():
+            s.status, s.result = "skipped", _headline(s.run.out)
+    todo = [s for s in states if s.status == "queued"]
+    with _live(states, console) as refresh:
+        while todo:  # a pool whose worker died is replaced; runs it had not started go again
+            _pool_pass(todo, jobs, refresh)
+            todo = [s for s in todo if s.status == "queued"]
+    return states
+
+
+def _pool_pass(todo: list[RunState], jobs: int, refresh: Callable[[], None]) -> None:
+    """Submit ``todo`` to a fresh pool and settle each run as its future completes."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a parent holding torch's threads
+    events = ctx.Queue()
+    by_name = {s.run.name: s for s in todo}
+    with ProcessPoolExecutor(
+        jobs, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), events)
+    ) as pool:
+        futures = {pool.submit(execute, s.run.config, str(s.run.out), s.run.name): s for s in todo}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                _drain(events, by_name)
+                for fut in done:
+                    _settle(fut, futures[fut])
+                refresh()
+        except BaseException:  # Ctrl-C, or a fault of the parent: stop now, not after every run
+            pool.shutdown(wait=False, cancel_futures=True)
+            for s in todo:
+                if s.status == "running" and s.pid is not None:
+                    os.kill(s.pid, signal.SIGKILL)  # the rerun resumes it
+            raise
+
+
+def _drain(events: Any, by_name: dict[str, RunState]) -> None:
+    """Mark the runs whose workers reported a start as running."""
+    while not events.empty():
+        name, pid = events.get()
+        state = by_name[name]
+        state.status, state.pid, state.started = "running", pid, time.time()
+
+
+def _settle(fut: Future, state: RunState) -> None:
+    err = fut.exception()
+    if state.started is not None:
+        state.seconds = time.time() - state.started
+    if err is None:
+        state.status, state.result = "done", fut.result()
+    elif isinstance(err, BrokenProcessPool):
+        if state.status == "running":  # its worker died under it (killed, out of memory)
+            state.status, state.error = "failed", "its worker process died (killed or crashed)"
+    else:
+        state.status, state.error = "failed", f"{type(err).__name__}: {err}"
+
+
+# ------------------------------------------------------------------------------- worker
+_events: Any = None  # the worker's queue of start events to the parent
+
+
+def _init_worker(parent: int, events: Any) -> None:
+    """Per worker process: report starts on ``events``; leave Ctrl-C to the parent (which
+    kills running workers itself); exit as soon as the parent is gone."""
+    from feddomain.federation.device import CUBLAS_WORKSPACE
+
+    global _events
+    _events = events
+    # read once per process, at the first cuBLAS call: a worker may run a deterministic run
+    # after another (apply_determinism sets it too late there); harmless for the others
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """An orphaned worker would keep writing into a run directory that a rerun of the sweep
+    takes over; this one exits within 0.1 s of its parent's death (it is re-parented)."""
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os._exit(1)
+
+
+def execute(config: dict[str, Any], out: str, name: str) -> dict[str, Any]:
+    """Run (or resume) one run in this worker, exactly as ``feddomain run`` would; returns
+    its headline numbers. A failure leaves its traceback in ``error.log`` beside the run."""
+    _events.put((name, os.getpid()))
+    from feddomain.cli import run_experiment
+    from feddomain.config import validate_config
+
+    run_dir = Path(out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ERROR_LOG).unlink(missing_ok=True)
+    try:
+        run_experiment(validate_config(config, source=name), run_dir, quiet=True, resume=True)
+    except Exception:
+        (run_dir / ERROR_LOG).write_text(traceback.format_exc())
+        raise
+    return _headline(run_dir)
+
+
+def _headline(run_dir: Path) -> dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {k: summary.get(k) for k in ("ood_acc", "id_acc")}
+
+
+# ------------------------------------------------------------------------------ display
+@contextmanager
+def _live(states: list[RunState], console: Console | None) -> Iterator[Callable[[], None]]:
+    """Yield a refresh callback: it redraws the live table (a no-op without a console)."""
+    if console is None:
+        yield lambda: None
+        return
+    with Live(_table(states), console=console, refresh_per_second=4, transient=True) as live:
+        yield lambda: live.update(_table(states))
+
+
+def _table(states: list[RunState]) -> Table:
+    counts = {k: sum(s.status == k for s in states) for k in STYLES}
+    title = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    table = Table(title=f"sweep: {title}", title_justify="left")
+    for col in ("run", "status", "round", "ood acc", "id acc", "time", "error"):
+        table.add_column(col, overflow="fold")
+    for s in states:
+        table.add_row(
+            escape(s.run.name),
+            f"[{STYLES[s.status]}]{s.status}[/]",
+            _round(s),
+            _pct(s.result.get("ood_acc")),
+            _pct(s.result.get("id_acc")),
+            _elapsed(s),
+            escape(s.error or ""),
+        )
+    return table
+
+
+def _round(state: RunState) -> str:
+    """The last evaluated round of a running run (from its metrics.jsonl) out of its rounds."""
+    if state.status != "running":
+        return ""
+    metrics = state.run.out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    try:
+        last = json.loads(lines[-1])["round"] if lines else 0
+    except json.JSONDecodeError:  # a line being written
+        last = "?"
+    return f"{last}/{state.run.config['rounds']}"
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.1f}"
+
+
+def _elapsed(state: RunState) -> str:
+    if state.seconds is not None:
+        return f"{state.seconds:.0f}s"
+    return f"{time.time() - state.started:.0f}s" if state.started is not None else ""
+
+
+def _report(out: Path, finished: list[RunState], console: Console) -> None:
+    """``feddomain report OUT`` over the finished runs (none finished: nothing to report)."""
+    if not finished:
+        console.print("no run finished, so no report")
+        return
+    from feddomain.evaluation.report import build_report, write_outputs
+
+    report = build_report([out], selection="source_val")
+    write_outputs(report, out / "report")
+    print(report.to_markdown())
+    console.print(f"report (CSV and plots) written to {out / 'report'}")
