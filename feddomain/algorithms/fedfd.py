@@ -44,7 +44,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, model_requirement
@@ -90,11 +90,12 @@ class FedFDHparams(Hparams):
     test_alpha: float = Field(0.5, ge=0.0, le=1.0)  # a of test_mode "fixed"
     warmup: bool = False  # a statistics pass before round 1 (§3.5, from-scratch profile)
 
-    @model_validator(mode="after")
-    def _per_sample_needs_random_u(self) -> FedFDHparams:
-        if self.u_per_sample and self.u is not None:
-            raise ValueError("u_per_sample draws u per sample: it needs u unset (random)")
-        return self
+    @field_validator("u_per_sample")
+    @classmethod
+    def _per_sample_needs_random_u(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("u") is not None:
+            raise ValueError("draws u per sample, so algorithm.u must be unset (random u)")
+        return value
 
 
 def diversify_mode(hp: FedFDHparams) -> BNMode:
