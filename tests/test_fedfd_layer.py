@@ -141,8 +141,10 @@ def test_per_sample_random_u_draws_one_u_per_sample(monkeypatch):
     """Catches ``per_sample`` ignored: each sample gets its own u (CHOICE F2's option)."""
     layer, x = _layer().double(), _input().double()
     draws = torch.tensor([0.1, 0.9, 0.5, 0.0, 1.0, 0.3], dtype=torch.float64)
-    monkeypatch.setattr(torch, "rand", lambda *size, **kw: draws.clone())
+    asked = []
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: asked.append(shape) or draws.clone())
     out = _forward(layer, BNMode("random", per_sample=True), x)
+    assert asked == [(6,)]
     torch.testing.assert_close(out, _expected(layer, x, draws, "instance"), **F64)
 
 
