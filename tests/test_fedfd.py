@@ -226,7 +226,7 @@ def test_fedfd_without_its_losses_is_silobn_number_for_number(tmp_path):
         assert torch.equal(fd.server.global_arrays[k], v), k
     for a, b in zip(fd.states, silo.states, strict=True):
         assert all(torch.equal(load_local(a)[k], v) for k, v in load_local(b).items())
-    drop = ("time", "bytes_down", "ledger")
+    drop = ("time", "bytes_down", "ledger", "diagnostics")  # FedFD also logs its loss terms
     fd_records, silo_records = _records(tmp_path / "fedfd"), _records(tmp_path / "silobn")
     for a, b in zip(fd_records, silo_records, strict=True):
         assert {k: v for k, v in a.items() if k not in drop} == {
@@ -234,7 +234,9 @@ def test_fedfd_without_its_losses_is_silobn_number_for_number(tmp_path):
         }
         # what FedFD sends beyond SiloBN: each layer's global mean and variance, to 3 clients
         assert a["bytes_down"] - b["bytes_down"] == 3 * 2 * 4 * (32 + 64 + 128)
-        assert a["ledger"]["up"] == b["ledger"]["up"]
+        up_a, up_b = a["ledger"]["up"], b["ledger"]["up"]
+        assert (up_a["model"], up_a["statistics"]) == (up_b["model"], up_b["statistics"])
+        assert up_a["scalars"] - up_b["scalars"] == 3 * 8 * 3  # ce, cafl, cacl per client
 
 
 # ------------------------------------------------------------------ check 6: evaluation
@@ -490,3 +492,26 @@ def test_a_weights_file_that_is_missing_or_does_not_fit_is_refused_when_the_conf
     good = tmp_path / "r18.pt"
     torch.save(torchvision.models.resnet18().state_dict(), good)
     load_config(None, [*base, f"model.options.weights_path={good}"])
+
+
+# ------------------------------------------------------------------ monitoring (CHOICE F3)
+@pytest.mark.parametrize("method", ["fedfd", "fedfd_a"])
+def test_the_logged_loss_terms_add_up_to_the_training_loss_and_are_sample_weighted(
+    method, tmp_path
+):
+    """Catches loss terms reported from the wrong path or weighted by λ (each client's terms
+    must add up, with the λs, to its training loss, which the shared loop measures on its
+    own), and a server mean of them that is not weighted by the clients' sample counts."""
+    lambdas = {"lambda_feature": 0.25, "lambda_classifier": 2.0}
+    _, _, _, seen = _run(method, tmp_path, rounds=1, algorithm=lambdas)
+    replies = [m for _, m in seen[0][2]]
+    for m in replies:
+        s = m.scalars
+        total = s["ce"] + 0.25 * s["cafl"] + 2.0 * s["cacl"] + s.get("adapter_ce", 0.0)
+        assert total == pytest.approx(s["loss"], rel=1e-5)
+        assert ("adapter_ce" in s) == (method == "fedfd_a")
+    record = _records(tmp_path)[-1]["diagnostics"]["loss_terms"]
+    for name in ("ce", "cafl", "cacl"):
+        want = sum(n * m.scalars[name] for n, m in zip(TRAIN_SIZES, replies, strict=True))
+        assert record[name] == pytest.approx(want / sum(TRAIN_SIZES), rel=1e-12)
+    assert record["cafl_over_ce"] == pytest.approx(record["cafl"] / record["ce"], rel=1e-12)

@@ -34,10 +34,13 @@ from torch.func import functional_call
 
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec
 from feddomain.algorithms.fedfd import (
+    ADAPTER_TERMS,
+    TERMS,
     FedFDClient,
     FedFDHparams,
     FedFDServer,
     FedFDStation,
+    Terms,
     check,
     fedfd_loss,
     prepare_model,
@@ -78,12 +81,16 @@ def adapter_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits, y)
 
 
-def fedfd_a_loss(hp: FedFDAHparams) -> LossFn:
-    """FedFD's loss (main parameters) plus L_A (adapters only)."""
-    main = fedfd_loss(hp)
+def fedfd_a_loss(hp: FedFDAHparams, terms: Terms | None = None) -> LossFn:
+    """FedFD's loss (main parameters) plus L_A (adapters only); terms go to ``terms``."""
+    main = fedfd_loss(hp, terms)
 
     def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return main(model, x, y) + adapter_loss(model, x, y)
+        total = main(model, x, y)
+        adapted = adapter_loss(model, x, y)
+        if terms is not None:
+            terms.setdefault("adapter_ce", []).append(adapted.detach())
+        return total + adapted
 
     return loss
 
@@ -95,9 +102,11 @@ def adapter_optimizer(model: nn.Module, hp: FedFDAHparams, lr: float) -> torch.o
 
 
 class FedFDAClient(FedFDClient):
+    term_names = (*TERMS, *ADAPTER_TERMS)
+
     def loss_fn(self, msg: Message, ctx: ClientContext) -> LossFn:
         assert isinstance(self.hp, FedFDAHparams)
-        return fedfd_a_loss(self.hp)
+        return fedfd_a_loss(self.hp, self.terms)
 
     def train(
         self, arrays: dict[str, torch.Tensor], msg: Message, ctx: ClientContext
@@ -109,6 +118,7 @@ class FedFDAClient(FedFDClient):
         optimizer = adapter_optimizer(ctx.model, self.hp, ctx.lr)
         if ctx.persistent_optimizer:
             load_optimizer_state(optimizer, ctx.state, ADAPTER_OPTIMIZER_PREFIX)
+        self.terms = {}
         stats = ctx.fit(
             arrays, loss_fn=self.loss_fn(msg, ctx), params=main, extra_optimizers=[optimizer]
         )
