@@ -39,15 +39,21 @@ alpha outside [0, 1].
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
-from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, model_requirement
+from feddomain.algorithms.base import (
+    ClientContext,
+    Hparams,
+    MethodSpec,
+    ServerContext,
+    model_requirement,
+)
 from feddomain.algorithms.layout import LayoutClient, LayoutServer, LayoutStation
 from feddomain.algorithms.registry import register
 from feddomain.algorithms.silobn import needs_batchnorm_statistics
@@ -62,6 +68,7 @@ from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
 from feddomain.federation.training import (
     LossFn,
+    TrainStats,
     get_arrays,
     recalibrate_batchnorm,
     set_arrays,
@@ -150,9 +157,14 @@ def _prefix(module_name: str) -> str:
     return f"{module_name}." if module_name else ""
 
 
-def fedfd_loss(hp: FedFDHparams) -> LossFn:
+Terms = dict[str, list[torch.Tensor]]  # each loss term's per-step values (detached)
+TERMS = ("ce", "cafl", "cacl")
+ADAPTER_TERMS = ("adapter_ce",)  # FedFD-A's L_A
+
+
+def fedfd_loss(hp: FedFDHparams, terms: Terms | None = None) -> LossFn:
     """CE on the ordinary path plus the client-agnostic feature and classifier losses on the
-    diversified path (module docstring)."""
+    diversified path (module docstring); each step's unweighted terms go to ``terms``."""
     diversified_mode = diversify_mode(hp)
 
     def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -162,16 +174,65 @@ def fedfd_loss(hp: FedFDHparams) -> LossFn:
             diversified = model.featurizer(x)
         cafl = (features - diversified).pow(2).sum(dim=1).mean()
         cacl = F.cross_entropy(model.classifier(diversified), y)
+        if terms is not None:
+            for name, value in zip(TERMS, (ce, cafl, cacl), strict=True):
+                terms.setdefault(name, []).append(value.detach())
         return ce + hp.lambda_feature * cafl + hp.lambda_classifier * cacl
 
     return loss
 
 
+def mean_terms(terms: Terms) -> dict[str, float]:
+    """Each term's mean over the steps (the scalars a client reports)."""
+    return {name: float(torch.stack(values).mean()) for name, values in terms.items() if values}
+
+
+def weighted_terms(replies: list[Message]) -> dict[str, float]:
+    """Sample-weighted mean of each loss term the replies report."""
+    total = sum(float(m.scalars["num_examples"]) for m in replies)
+    names = [k for k in replies[0].scalars if k in (*TERMS, *ADAPTER_TERMS)]
+    return {
+        k: sum(float(m.scalars["num_examples"]) * float(m.scalars[k]) for m in replies) / total
+        for k in names
+    }
+
+
 class FedFDServer(LayoutServer):
     layout = staticmethod(fedfd_layout)
 
+    def __init__(self, ctx: ServerContext, hp: Hparams) -> None:
+        super().__init__(ctx, hp)
+        self.terms: dict[str, float] = {}  # the latest round's sample-weighted loss terms
+
     def compute(self, local_mean: Arrays) -> Arrays:
         return global_statistics(self.categories.computed, local_mean)
+
+    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
+        seen: list[Message] = []
+
+        def tee() -> Iterator[tuple[int, Message]]:
+            for cid, msg in replies:
+                seen.append(Message(msg.task, {}, msg.scalars))
+                yield cid, msg
+
+        super().aggregate(rnd, tee())
+        if seen:
+            self.terms = weighted_terms(seen)
+
+    def diagnostics(self) -> dict[str, Any]:
+        """The latest round's mean loss terms (unweighted by λ) and CAFL/CE, the ratio to watch
+        (fedfda.md F3: the fallback λ_F = 1/d when CAFL dominates)."""
+        if not self.terms.get("ce"):
+            return {}
+        ratio = self.terms["cafl"] / self.terms["ce"]
+        return {"loss_terms": {**self.terms, "cafl_over_ce": ratio}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "terms": dict(self.terms)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.terms = dict(state["terms"])
 
     def collect(self, clients: list[int]) -> dict[int, Message]:
         """The statistics warm-up task (``warmup``), before round 1."""
@@ -191,10 +252,19 @@ class FedFDServer(LayoutServer):
 class FedFDClient(LayoutClient):
     layout = staticmethod(fedfd_layout)
 
+    term_names: tuple[str, ...] = TERMS  # the loss terms a reply reports (their means)
+    terms: Terms | None = None  # this fit's loss terms, per step
+
     def run(self, msg: Message, ctx: ClientContext) -> Message:
         if msg.task == "collect":
             return self.warm_up(msg, ctx)
-        return super().run(msg, ctx)
+        reply = super().run(msg, ctx)
+        reply.scalars.update(mean_terms(self.terms or {}))
+        return reply
+
+    def train(self, arrays: Arrays, msg: Message, ctx: ClientContext) -> TrainStats:
+        self.terms = {}
+        return super().train(arrays, msg, ctx)
 
     def warm_up(self, msg: Message, ctx: ClientContext) -> Message:
         """One pass of the client's data in mode "batch", no gradient step: its running
@@ -206,16 +276,16 @@ class FedFDClient(LayoutClient):
         return Message("collect", local, {"num_examples": len(ctx.train)})
 
     def loss_fn(self, msg: Message, ctx: ClientContext) -> LossFn:
-        return fedfd_loss(self.hp)
+        return fedfd_loss(self.hp, self.terms)
 
     def uploads(self, n_clients: int) -> Uploads:
         """The trained shared arrays and the running statistics (per-channel means and
         variances, no per-sample data), never the global statistics the server computed; the
-        sample count and mean training loss."""
+        sample count, mean training loss and the mean of each loss term."""
         return Uploads(
             model=("*",),
             withheld=tuple(f"*{leaf}" for leaf in GLOBAL_STATISTICS),
-            scalars=("num_examples", "loss"),
+            scalars=("num_examples", "loss", *self.term_names),
         )
 
 
