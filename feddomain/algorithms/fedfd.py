@@ -23,7 +23,10 @@ Client loss per batch (§3.4), x a batch, E the featurizer, C the classifier:
 ``u`` = None draws u ~ U(0,1) per layer per forward (the method); a number fixes it (the
 poster's mixing ablation: 0 global only, 1 instance only, 0.5). ``local_stats`` (CHOICE F1):
 instance statistics (default) or batch statistics. ``u_per_sample`` (F2): one u per sample.
-λ_F = λ_C = 1 (F3; the documented fallback λ_F = 1/512 is ``lambda_feature``).
+λ_F = λ_C = 1 (F3; the documented fallback λ_F = 1/512 is ``lambda_feature``). F3 asks to
+monitor CAFL against CE: each client reports the mean of each (unweighted) term over its steps,
+and the server logs their sample-weighted means and CAFL/CE with every evaluated round
+(``diagnostics.loss_terms`` in metrics.jsonl).
 
 Evaluation (id and unseen domain): ``test_mode`` picks the layers' eval mode — ``global`` (FedFD's
 inference, §3.6: eval-mode BatchNorm with the global statistics), ``local`` (each client's own
