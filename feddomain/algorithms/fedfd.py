@@ -115,7 +115,7 @@ def diversify_mode(hp: FedFDHparams) -> BNMode:
     return BNMode("fixed", alpha=hp.u, local_stats=hp.local_stats)
 
 
-def test_bn_mode(hp: Hparams) -> BNMode:
+def evaluation_mode(hp: Hparams) -> BNMode:
     """The layers' eval mode for ``hp.test_mode`` (``random``: one a per layer and sample)."""
     kind = "batch" if hp.test_mode == "local" else hp.test_mode
     return BNMode(kind, alpha=hp.test_alpha, per_sample=True)
@@ -124,7 +124,7 @@ def test_bn_mode(hp: Hparams) -> BNMode:
 def prepare_model(model: nn.Module, hp: Hparams, adapter_reduction: int | None) -> nn.Module:
     """Convert every BatchNorm2d and set the evaluation mode."""
     convert_batchnorm(model, adapter_reduction)
-    set_bn_mode(model, test_bn_mode(hp), training=False)
+    set_bn_mode(model, evaluation_mode(hp), training=False)
     return model
 
 
