@@ -267,7 +267,14 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
     except ValidationError as err:
         raise ConfigError(_explain(err, source)) from None
     _check_algorithm(cfg)
+    _check_weights(cfg)
     return cfg
+
+
+def _check_weights(cfg: ExperimentConfig) -> None:
+    from feddomain.models import check_weights  # late: models are not needed otherwise
+
+    check_weights(cfg.model.name, cfg.model.options)
 
 
 def _check_algorithm(cfg: ExperimentConfig) -> None:

@@ -343,6 +343,8 @@ def test_every_method_on_flower_equals_the_simulator(
         "hfedf_ae_embed": ["algorithm.ae_epochs=2"],  # its autoencoder: 50 epochs
         "fedbn": ["model.name=small_cnn"],  # BatchNorm methods refuse LeNet-5
         "silobn": ["model.name=small_cnn"],
+        "fedfd": ["model.name=small_cnn", "model.options.widths=[8, 16]"],
+        "fedfd_a": ["model.name=small_cnn", "model.options.widths=[8, 16]"],
         "scaffold": ["train.optimizer=sgd", "train.lr=0.05"],  # plain SGD only
     }
     cfg = demo_config(f"algorithm.name={method}", *cheap.get(method, []))

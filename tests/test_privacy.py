@@ -3,6 +3,7 @@ against that declaration, and the ledger counts what crossed each way by kind.""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import math
@@ -11,8 +12,9 @@ import pytest
 import torch
 import yaml
 
-from feddomain.algorithms import METHODS
+from feddomain.algorithms import METHODS, register
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
+from feddomain.algorithms.fedfd import FedFDClient
 from feddomain.algorithms.local import LocalClient, LocalServer
 from feddomain.evaluation.report import build_report
 from feddomain.federation.messages import Message
@@ -24,7 +26,7 @@ from tests.engine_helpers import run_sim, temporary_method, tiny_config, tiny_fe
 
 CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
 # methods that refuse LeNet-5 (they need BatchNorm layers) run on this model
-MODEL = {"fedbn": "small_cnn", "silobn": "small_cnn"}
+MODEL = {"fedbn": "small_cnn", "silobn": "small_cnn", "fedfd": "small_cnn", "fedfd_a": "small_cnn"}
 
 # Statistics a method's clients send every round, bytes per client, from the model alone:
 # SCAFFOLD's Δc_i (one float32 per trained parameter, in the fit reply), FedIIR's
@@ -51,6 +53,7 @@ def declared_model_bytes(sim, uploads: Uploads) -> int:
         t.numel() * t.element_size()
         for name, t in sim.model.state_dict().items()
         if any(fnmatch.fnmatchcase(name, p) for p in uploads.model)
+        and not any(fnmatch.fnmatchcase(name, p) for p in uploads.withheld)
     )
 
 
@@ -213,3 +216,35 @@ def test_a_non_finite_loss_scalar_is_rejected_like_a_non_finite_array(tmp_path):
         parts = zip(sizes, replies, strict=True)
         expected = sum(n * r.arrays[name].double() for n, r in parts) / sum(sizes)
         assert torch.allclose(value.double(), expected, atol=1e-6, rtol=0), name
+
+
+def test_withheld_model_arrays_are_refused_even_where_a_pattern_allows_them():
+    """Catches ``Uploads.withheld`` ignored: FedFD's clients declare every model array but the
+    global statistics the server computes, so a reply carrying those is a violation."""
+    shapes = {"bn.weight": torch.Size([4]), "bn.global_mean": torch.Size([4])}
+    check = UploadCheck("m", Uploads(model=("*",), withheld=("*global_mean",)), shapes)
+    check.check(0, Message("fit", {"bn.weight": torch.zeros(4)}), n_samples=10)
+    with pytest.raises(PrivacyViolation, match=r"'bn\.global_mean'.*model array this method"):
+        check.check(0, Message("fit", {"bn.global_mean": torch.zeros(4)}), n_samples=10)
+
+
+class _FedFDSendingGlobalStatistics(FedFDClient):
+    """A FedFD client that also sends back the global statistics it received."""
+
+    def run(self, msg, ctx):
+        reply = super().run(msg, ctx)
+        reply.arrays.update({k: v for k, v in get_arrays(ctx.model).items() if "global_" in k})
+        return reply
+
+
+def test_fedfd_sends_parameters_and_running_statistics_only(tmp_path):
+    """Catches FedFD's declaration letting the global statistics go back up (they are the
+    server's), or FedFD's client sending them: the run stops naming the array."""
+    spec = METHODS["fedfd"]
+    register(dataclasses.replace(spec, name="_fd_leaky", client=_FedFDSendingGlobalStatistics))
+    try:
+        with pytest.raises(PrivacyViolation, match=r"_fd_leaky: client 0 sent array '.*\.global_"):
+            cfg = tiny_config(rounds=1, algorithm="_fd_leaky", model={"name": "small_cnn"})
+            run_sim(cfg, tmp_path / "run")
+    finally:
+        del METHODS["_fd_leaky"]

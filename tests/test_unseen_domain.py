@@ -343,8 +343,9 @@ def test_on_sites_the_pilot_and_the_unseen_model_go_where_the_target_set_is(
 
 # -------------------------------------------------------- (e) no unseen-domain model
 # Methods that offer a model for the unseen domain (tested in their own files): FedBN and SiloBN
-# score the shared arrays with the clients' mean BatchNorm parts.
-WITH_UNSEEN_MODEL = {"fedbn", "silobn"}
+# score the shared arrays with the clients' mean BatchNorm parts, FedFD and FedFD-A the shared
+# arrays with the global statistics (and the clients' mean running statistics).
+WITH_UNSEEN_MODEL = {"fedbn", "silobn", "fedfd", "fedfd_a"}
 
 
 @pytest.mark.parametrize(

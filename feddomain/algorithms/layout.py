@@ -50,7 +50,7 @@ from feddomain.federation.layout import (
 )
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
-from feddomain.federation.training import get_arrays
+from feddomain.federation.training import TrainStats, get_arrays
 
 LayoutFn = Callable[[nn.Module, Hparams], StateLayout]
 
@@ -134,13 +134,21 @@ class LayoutClient(FedAvgClient):
     def run(self, msg: Message, ctx: ClientContext) -> Message:
         categories = self.categories(ctx.model)
         own = load_local(ctx.state)  # empty before this client's first fit
-        stats = ctx.fit({**msg.arrays, **own}, regularizer=self.regularizer(msg, ctx))
+        stats = self.train({**msg.arrays, **own}, msg, ctx)
         trained = get_arrays(ctx.model)
         store_local(ctx.state, categories.select(trained, LOCAL))
         return Message(
             "fit",
             categories.select(trained, SHARED, LOCAL),
             {"num_examples": len(ctx.train), "loss": stats.mean_loss},
+        )
+
+    def train(self, arrays: Arrays, msg: Message, ctx: ClientContext) -> TrainStats:
+        """Local training from ``arrays`` (the broadcast with this client's local arrays):
+        ``ctx.fit`` with the method's loss and regulariser; a method with a second optimiser
+        (FedFD-A's adapter) overrides it."""
+        return ctx.fit(
+            arrays, loss_fn=self.loss_fn(msg, ctx), regularizer=self.regularizer(msg, ctx)
         )
 
     def uploads(self, n_clients: int) -> Uploads:

@@ -43,12 +43,18 @@ class PrivacyViolation(FeddomainError):
 @dataclass(frozen=True)
 class Uploads:
     """What a client may put in a reply. ``model``: glob patterns over the model's array names
-    (``"*"`` for all, ``()`` for none: Local-only sends no weights); ``statistics``: name ->
-    shape; ``scalars``: names."""
+    (``"*"`` for all, ``()`` for none: Local-only sends no weights); ``withheld``: patterns of
+    model arrays never sent even where ``model`` matches them (FedFD's server-computed global
+    statistics); ``statistics``: name -> shape; ``scalars``: names."""
 
     model: tuple[str, ...] = ()
     statistics: Mapping[str, Shape] = field(default_factory=dict)
     scalars: tuple[str, ...] = ("num_examples",)
+    withheld: tuple[str, ...] = ()
+
+    def sends_model_array(self, name: str) -> bool:
+        """Whether a reply may carry the model array ``name``."""
+        return _matches(name, self.model) and not _matches(name, self.withheld)
 
 
 def scalar_nbytes(value: Scalar) -> int:
@@ -67,7 +73,7 @@ class UploadCheck:
         self.uploads = uploads
         self.model_shapes = {k: tuple(v) for k, v in model.items()}
         # the model arrays a reply may carry, matched against the patterns once per run
-        self.sendable = {k for k in self.model_shapes if _matches(k, uploads.model)}
+        self.sendable = {k for k in self.model_shapes if uploads.sends_model_array(k)}
 
     def is_model_array(self, name: str, tensor: torch.Tensor) -> bool:
         return self.model_shapes.get(name) == tuple(tensor.shape)

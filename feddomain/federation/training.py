@@ -94,30 +94,36 @@ def recalibrate_batchnorm(
 OPTIMIZER_PREFIX = "optimizer/"
 
 
-def save_optimizer_state(optimizer: torch.optim.Optimizer, state: Message) -> None:
+def save_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: Message, prefix: str = OPTIMIZER_PREFIX
+) -> None:
     """Store the optimiser's per-parameter state (momentum, Adam moments, step counts) in
-    ``state``: tensors as arrays, numbers as scalars, keyed ``optimizer/<param>.<name>``."""
-    for key in [k for k in state.arrays if k.startswith(OPTIMIZER_PREFIX)]:
+    ``state``: tensors as arrays, numbers as scalars, keyed ``<prefix><param>.<name>``
+    (``prefix``: the engine's optimiser, or a method's second one, e.g. FedFD-A's adapter's)."""
+    for key in [k for k in state.arrays if k.startswith(prefix)]:
         del state.arrays[key]
-    for key in [k for k in state.scalars if k.startswith(OPTIMIZER_PREFIX)]:
+    for key in [k for k in state.scalars if k.startswith(prefix)]:
         del state.scalars[key]
     for index, values in optimizer.state_dict()["state"].items():
         for name, value in values.items():
-            key = f"{OPTIMIZER_PREFIX}{index}.{name}"
+            key = f"{prefix}{index}.{name}"
             if torch.is_tensor(value):
                 state.arrays[key] = value.detach().clone()
             elif isinstance(value, int | float):
                 state.scalars[key] = value
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Message) -> None:
-    """Restore what ``save_optimizer_state`` kept (nothing on a client's first round); the
-    optimiser's hyper-parameters (lr of this round, momentum, ...) stay as configured."""
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: Message, prefix: str = OPTIMIZER_PREFIX
+) -> None:
+    """Restore what ``save_optimizer_state`` kept under ``prefix`` (nothing on a client's first
+    round); the optimiser's hyper-parameters (lr of this round, momentum, ...) stay as
+    configured."""
     restored: dict[int, dict[str, object]] = {}
     for source in (state.arrays, state.scalars):
         for key, value in source.items():
-            if key.startswith(OPTIMIZER_PREFIX):
-                index, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+            if key.startswith(prefix):
+                index, name = key.removeprefix(prefix).split(".", 1)
                 restored.setdefault(int(index), {})[name] = value
     if restored:
         current = optimizer.state_dict()

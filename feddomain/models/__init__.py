@@ -20,7 +20,7 @@ from feddomain.models.base import FeatureClassifier
 from feddomain.models.efficientnet import INPUT_MEAN, INPUT_STD, efficientnet_lite0
 from feddomain.models.hfedf_cnn import hfedf_cnn
 from feddomain.models.lenet import lenet5
-from feddomain.models.resnet import resnet18, resnet50
+from feddomain.models.resnet import check_weights_path, resnet18, resnet50
 from feddomain.models.small_cnn import small_cnn
 from feddomain.models.vgg import vgg11
 
@@ -99,6 +99,18 @@ def input_normalization(name: str) -> Normalization | None:
     return _PRETRAINED_NORMALIZATION.get(name)
 
 
+def check_weights(name: str, options: dict[str, Any]) -> None:
+    """Refuse, when the config loads, a ``weights_path`` that is missing, unreadable or does not
+    fit model ``name`` (ConfigError naming the key); nothing to check without one."""
+    path = options.get("weights_path")
+    if path is None or "weights_path" not in model_options(name):
+        return
+    try:
+        check_weights_path(name, str(path))
+    except ConfigError as err:
+        raise ConfigError(f"invalid configuration: 'model.options.weights_path': {err}") from None
+
+
 # Options that load weights into a network without changing its structure.
 _WEIGHT_OPTIONS = {"pretrained": False, "weights_path": None}
 
@@ -132,6 +144,7 @@ __all__ = [
     "MODELS",
     "FeatureClassifier",
     "build_model",
+    "check_weights",
     "input_normalization",
     "model_options",
     "model_skeleton",

@@ -17,6 +17,10 @@ from feddomain.errors import ConfigError
 from feddomain.models.base import FeatureClassifier
 
 _HEAD_PREFIX = "fc."
+_FACTORIES: dict[str, Callable[..., tvm.ResNet]] = {
+    "resnet18": tvm.resnet18,
+    "resnet50": tvm.resnet50,
+}
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -52,22 +56,35 @@ def _check_compatible(
         )
 
 
+def _fitting_state(net: nn.Module, weights_path: str, arch: str) -> dict[str, torch.Tensor]:
+    """The file's state dict without the ImageNet head, checked against ``net`` (headless)."""
+    path = Path(weights_path).expanduser()
+    # The ImageNet 1000-way head is dropped: the K-way classifier is always freshly initialised.
+    state = {k: v for k, v in _read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
+    _check_compatible(net, state, path, arch)
+    return state
+
+
+def check_weights_path(arch: str, weights_path: str) -> None:
+    """The checks the weights file gets when the model is built, against a network on the meta
+    device (no memory): for a config check, before any data is read. ConfigError if it fails."""
+    with torch.device("meta"):
+        net = _FACTORIES[arch](weights=None)
+    net.fc = nn.Identity()
+    _fitting_state(net, weights_path, arch)
+
+
 def _resnet(
     arch: str,
-    factory: Callable[..., tvm.ResNet],
     num_classes: int,
     weights_path: str | None,
     freeze_bn_stats: bool,
 ) -> FeatureClassifier:
-    net = factory(weights=None)
+    net = _FACTORIES[arch](weights=None)
     n_features = net.fc.in_features
     net.fc = nn.Identity()
     if weights_path is not None:
-        path = Path(weights_path).expanduser()
-        # The ImageNet 1000-way head is dropped: the K-way classifier is always freshly initialised.
-        state = {k: v for k, v in _read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
-        _check_compatible(net, state, path, arch)
-        net.load_state_dict(state)
+        net.load_state_dict(_fitting_state(net, weights_path, arch))
     classifier = nn.Linear(n_features, num_classes)
     stages = [f"featurizer.layer{i}" for i in range(1, 5)]  # residual stages res1-res4
     return FeatureClassifier(
@@ -84,7 +101,7 @@ def resnet18(
 ) -> FeatureClassifier:
     """ResNet-18 (512 features). Any resolution works (adaptive pooling); 224 is ImageNet's."""
     del resolution  # the common builder signature; the architecture does not depend on it
-    return _resnet("resnet18", tvm.resnet18, num_classes, weights_path, freeze_bn_stats)
+    return _resnet("resnet18", num_classes, weights_path, freeze_bn_stats)
 
 
 def resnet50(
@@ -96,4 +113,4 @@ def resnet50(
 ) -> FeatureClassifier:
     """ResNet-50 (2048 features). Any resolution works (adaptive pooling); 224 is ImageNet's."""
     del resolution
-    return _resnet("resnet50", tvm.resnet50, num_classes, weights_path, freeze_bn_stats)
+    return _resnet("resnet50", num_classes, weights_path, freeze_bn_stats)
