@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,20 +42,33 @@ def _methods_epilog() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    # on a terminal, rich's layout; otherwise (a batch job, CI, a redirect) plain lines
+    handler = (
+        RichHandler(console=console, show_path=False)
+        if console.is_terminal
+        else logging.StreamHandler()
+    )
     logging.basicConfig(
         level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
         format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
+        handlers=[handler],
     )
     try:
         status = args.func(args)
     except FeddomainError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
+    except Interrupted as err:
+        console.print(f"[yellow]interrupted:[/] {err}", highlight=False, soft_wrap=True)
+        return 130
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
+        console.print("[yellow]interrupted[/] before training began")
         return 130
     return int(status or 0)
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run; the message says what was kept and how to go on."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,14 +161,24 @@ def run_experiment(
     cfg: ExperimentConfig, out: Path, *, quiet: bool = False, resume: bool = False
 ) -> list[Path]:
     """Run every split of ``cfg`` into ``out`` (one sub-directory per split when there are
-    several); returns the run directories. Data problems surface before any training."""
+    several); returns the run directories. Data problems surface before any training, and a
+    new run that fails before its first round leaves no directory behind."""
+    existed = out.exists()
+    try:
+        return _run_splits(cfg, out, quiet=quiet, resume=resume)
+    except FeddomainError:
+        if not resume and not _has_rounds(out):
+            _undo_start(out, existed)
+        raise
+
+
+def _run_splits(cfg: ExperimentConfig, out: Path, *, quiet: bool, resume: bool) -> list[Path]:
     import torch
 
     from feddomain.data.federated import federations
     from feddomain.federation.simulation import Simulation
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.torch_threads)
     feds = federations(cfg)
     out.mkdir(parents=True, exist_ok=True)
     _write_config(out, cfg)
@@ -171,22 +195,60 @@ def run_experiment(
         run_dir.mkdir(parents=True, exist_ok=True)
         if run_dir != out:
             _write_config(run_dir, cfg)
-        with _progress(
-            quiet, f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}", cfg.rounds
-        ) as tick:
-            sim = Simulation(cfg, fed, run_dir, progress=tick)
-            summary = sim.run()
-        logging.getLogger("feddomain").info(
-            "%s %s: id %.3f  ood %.3f  (%s, round %s)  %.1fs",
-            summary["algorithm"],
-            split.name,
-            summary["id_acc"] or float("nan"),
-            summary["ood_acc"],
-            summary["selection"],
-            summary["selected_round"],
-            summary["wall_time_s"],
+        label = f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}"
+        try:
+            with _progress(quiet, label, cfg.rounds) as tick:
+                sim = Simulation(cfg, fed, run_dir, progress=tick)
+                summary = sim.run()
+        except KeyboardInterrupt:
+            raise Interrupted(_interrupted(cfg, out, run_dir)) from None
+        print(
+            f"{label}: {_scores(summary)}  ({summary['selection']}, round "
+            f"{summary['selected_round']})  {summary['wall_time_s']:.1f}s  -> {run_dir}",
+            flush=True,
         )
     return run_dirs
+
+
+def _scores(record: dict) -> str:
+    """'id 0.912  ood 0.453' (id '-' when the clients hold no validation data)."""
+    id_acc = "-" if record.get("id_acc") is None else f"{record['id_acc']:.3f}"
+    ood_acc = "-" if record.get("ood_acc") is None else f"{record['ood_acc']:.3f}"
+    return f"id {id_acc}  ood {ood_acc}"
+
+
+def _interrupted(cfg: ExperimentConfig, out: Path, run_dir: Path) -> str:
+    """What a Ctrl-C kept of ``run_dir`` and how to go on."""
+    if (run_dir / "checkpoint.pt").exists():
+        return f"the last checkpoint in {run_dir} is kept; continue with --resume {out}"
+    why = (
+        "checkpoints are off (checkpoint.every=0)"
+        if not cfg.checkpoint.every
+        else f"the first is written after round {cfg.checkpoint.every} (checkpoint.every)"
+    )
+    return (
+        f"nothing was checkpointed yet in {run_dir}: {why}; --resume {out} restarts it from round 1"
+    )
+
+
+def _has_rounds(out: Path) -> bool:
+    """Whether any round of a run in ``out`` completed (its log or checkpoint exists)."""
+    return out.is_dir() and any(
+        next(out.rglob(name), None) for name in ("rounds.jsonl", "checkpoint.pt")
+    )
+
+
+def _undo_start(out: Path, existed: bool) -> None:
+    """Remove what a failed start wrote, so the same --out works once the cause is fixed
+    (``out`` was new or empty: cmd_run and cmd_demo refuse any other)."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for child in out.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
@@ -226,14 +288,20 @@ def _git_commit() -> str:
 
 
 class _progress:
-    """A rich progress bar over rounds (or nothing in quiet mode); yields a tick callback."""
+    """Progress over rounds, yielding a tick callback: a rich bar on a terminal; otherwise (a
+    batch job, CI, a redirect) one plain line per evaluated round on stderr; nothing in quiet
+    mode."""
 
     def __init__(self, quiet: bool, label: str, total: int) -> None:
         self.quiet, self.label, self.total = quiet, label, total
+        self.bar = None
+        self.start = time.perf_counter()
 
     def __enter__(self):
         if self.quiet:
             return None
+        if not console.is_terminal:
+            return self._line
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -255,15 +323,23 @@ class _progress:
         task = self.bar.add_task(self.label, total=self.total, status="")
 
         def tick(rnd: int, record: dict | None) -> None:
-            status = (
-                f"id {record['id_acc'] or 0:.3f} ood {record['ood_acc']:.3f}" if record else None
-            )
-            self.bar.update(task, completed=rnd, **({"status": status} if status else {}))
+            status = {"status": _scores(record)} if record else {}
+            self.bar.update(task, completed=rnd, **status)
 
         return tick
 
+    def _line(self, rnd: int, record: dict | None) -> None:
+        """One plain line per evaluated round: round, scores, seconds since this session began."""
+        if record is not None:
+            elapsed = time.perf_counter() - self.start
+            print(
+                f"{self.label}  round {rnd}/{self.total}  {_scores(record)}  {elapsed:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def __exit__(self, *exc: object) -> None:
-        if not self.quiet:
+        if self.bar is not None:
             self.bar.stop()
 
 

@@ -8,6 +8,7 @@ a message naming the key and the closest valid one. Method-specific hyper-parame
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +52,13 @@ class SplitConfig(Section):
     official_lists: bool = False
     few_shot: int = Field(0, ge=0)
     few_shot_per_class: bool = True
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _one_target(cls, value: Any) -> Any:
+        """``split.targets=photo`` (a bare name on the command line) means ``[photo]``."""
+        return [value] if isinstance(value, str) else value
+
     # a seeded share of each target domain's images set aside, unlabeled, as its pilot set
     # (FedVR's zero-shot model is built from it; FedVR uses 0.1) and left out of evaluation for
     # every method alike; 0: no pilot set
@@ -165,7 +173,9 @@ class ExperimentConfig(Section):
     name: str = "experiment"
     seed: int = 0
     rounds: int = Field(30, ge=1)
-    threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default
+    # torch intra-op threads; None: half the CPU cores this process may use, at least 1
+    # (`default_threads`; README, "Threads")
+    threads: int | None = Field(None, ge=1)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     split: SplitConfig = Field(default_factory=SplitConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
@@ -208,6 +218,20 @@ class ExperimentConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    @property
+    def torch_threads(self) -> int:
+        """The intra-op thread count a run uses: ``threads``, else ``default_threads()``."""
+        return self.threads or default_threads()
+
+
+def default_threads() -> int:
+    """Half the CPU cores this process may run on, at least 1. Torch's own default (every
+    core) oversubscribes a shared machine: on a loaded 2-core machine a demo round took about
+    10x longer with 2 threads than with 1 (README, "Threads")."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -255,8 +279,29 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, source)) from None
+    _check_model(cfg)
     _check_algorithm(cfg)
+    from feddomain.data.federated import check_data_config  # late: data imports this module
+
+    check_data_config(cfg)
     return cfg
+
+
+def _check_model(cfg: ExperimentConfig) -> None:
+    """Model name and options, by building the model's structure without weights or data."""
+    from feddomain.models import model_skeleton  # late: models are not needed otherwise
+
+    m = cfg.model
+    try:
+        model_skeleton(
+            m.name,
+            resolution=cfg.dataset.resolution,
+            options=m.options,
+            frozen=m.frozen,
+            head_hidden=m.head_hidden,
+        )
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model {m.name!r} with options {m.options}: {err}") from None
 
 
 def _check_algorithm(cfg: ExperimentConfig) -> None:
