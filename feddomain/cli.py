@@ -71,21 +71,43 @@ class Interrupted(Exception):
     """Ctrl-C during a run; the message says what was kept and how to go on."""
 
 
+EXAMPLES = """examples:
+  feddomain demo                                    # 4 methods on the built-in digits (~2 min)
+  feddomain list methods                            # also: models, datasets, configs
+  feddomain run configs/demo.yaml algorithm=fedprox split.targets=sketch --out runs/prox
+  feddomain run configs/demo.yaml --dry-run         # resolved config and partition, no training
+  feddomain run --resume runs/prox                  # continue an interrupted run
+  feddomain report runs/prox --out report/          # method x target table, CSV, plots
+
+docs (in the repository): README.md; every config key and method hyper-parameter:
+docs/config.md; deploying on Flower: docs/deployment.md"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="feddomain", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="feddomain",
+        description="Federated domain generalisation: simulate, deploy on Flower, report.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"feddomain {feddomain.__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="FedAvg, Local-only, Central, hFedF on the embedded digits")
     demo.add_argument("--out", type=Path, default=None, help="run directory (default: a temp dir)")
-    demo.add_argument("--quiet", action="store_true")
-    demo.add_argument("overrides", nargs="*", help="key=value config overrides")
+    demo.add_argument("--quiet", action="store_true", help="no per-round progress")
+    demo.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. rounds=4")
     demo.set_defaults(func=cmd_demo)
+
+    lst = sub.add_parser("list", help="methods, models, datasets or shipped configs, one line each")
+    lst.add_argument("what", choices=LISTS, help="what to list")
+    lst.set_defaults(func=cmd_list)
 
     run = sub.add_parser(
         "run",
         help="run one experiment config (all its target splits)",
-        description="Run one experiment config (all its target splits).",
+        description="Run one experiment config (all its target splits). Every config key: "
+        "docs/config.md.",
         epilog=_methods_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -93,40 +115,70 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. rounds=50 algorithm.mu=0.01"
     )
-    run.add_argument("--out", type=Path, help="new output directory")
+    run.add_argument("--out", type=Path, help="new output directory (must not hold files)")
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--quiet", action="store_true", help="no per-round progress; the result is still printed"
+    )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and the partition table; train nothing, write nothing",
+    )
     run.set_defaults(func=cmd_run)
 
     rep = sub.add_parser("report", help="method x target table over run directories")
-    rep.add_argument("dirs", type=Path, nargs="+")
-    rep.add_argument("--selection", default="source_val", choices=["source_val", "last", "oracle"])
-    rep.add_argument("--out", type=Path, default=None, help="where to write CSV and plots")
+    rep.add_argument("dirs", type=Path, nargs="+", help="run directories (searched recursively)")
+    rep.add_argument(
+        "--selection",
+        default="source_val",
+        choices=["source_val", "last", "oracle"],
+        help="which evaluated round each run reports (default: source_val)",
+    )
+    rep.add_argument(
+        "--out", type=Path, default=None, help="folder for CSV and plots (default: none written)"
+    )
     rep.set_defaults(func=cmd_report)
 
     data = sub.add_parser("data", help="inspect datasets and partitions")
-    dsub = data.add_subparsers(dest="data_command", required=True)
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
     desc = dsub.add_parser(
         "describe", help="counts per domain x class, sizes, problems (exit status 1 if any)"
     )
-    desc.add_argument("--dataset", required=True)
-    desc.add_argument("--root", type=Path, default=None)
+    desc.add_argument("--dataset", required=True, help="dataset name (feddomain list datasets)")
+    desc.add_argument("--root", type=Path, default=None, help="folder holding the dataset")
     desc.add_argument("--deep", action="store_true", help="decode every image (finds truncation)")
     desc.set_defaults(func=cmd_describe)
     part = dsub.add_parser("partition", help="client x domain (and station x domain) counts")
-    part.add_argument("config", type=Path)
-    part.add_argument("overrides", nargs="*")
-    part.add_argument("--out", type=Path, default=None, help="CSV file to write")
+    part.add_argument("config", type=Path, help="YAML config")
+    part.add_argument("overrides", nargs="*", help="dotted overrides, as for `feddomain run`")
+    part.add_argument(
+        "--out", type=Path, default=None, help="CSV file to write (every split's tables)"
+    )
     part.set_defaults(func=cmd_partition)
     exp = dsub.add_parser(
         "export", help="write a config's clients as site folders (rehearse a sites deployment)"
     )
-    exp.add_argument("config", type=Path)
-    exp.add_argument("overrides", nargs="*")
+    exp.add_argument("config", type=Path, help="YAML config")
+    exp.add_argument("overrides", nargs="*", help="dotted overrides, as for `feddomain run`")
     exp.add_argument("--out", type=Path, required=True, help="new folder for the sites")
     exp.set_defaults(func=cmd_export)
     add_flower_commands(sub)
     return p
+
+
+# --------------------------------------------------------------------------- list
+LISTS = ("methods", "models", "datasets", "configs")
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    """One line per entry: name, then its description (citation included for methods)."""
+    from feddomain import catalog
+
+    rows = getattr(catalog, args.what)()
+    width = max(len(name) for name, _ in rows)
+    for name, text in rows:
+        print(f"{name:<{width}}  {text}")
 
 
 # ---------------------------------------------------------------------------- run
@@ -144,6 +196,11 @@ def cmd_run(args: argparse.Namespace) -> None:
                     f"--resume {out}: {args.config} with these overrides differs from the saved "
                     f"{saved}; resume with the saved config (omit CONFIG) or start a new --out"
                 )
+    elif args.dry_run:
+        if args.config is None:
+            raise FeddomainError("feddomain run --dry-run needs CONFIG")
+        dry_run(load_config(args.config, args.overrides))
+        return
     else:
         if args.config is None or args.out is None:
             raise FeddomainError("feddomain run needs CONFIG and --out DIR (or --resume DIR)")
@@ -155,6 +212,20 @@ def cmd_run(args: argparse.Namespace) -> None:
                 f"it with --resume {out}"
             )
     run_experiment(cfg, out, quiet=args.quiet, resume=args.resume is not None)
+
+
+def dry_run(cfg: ExperimentConfig) -> None:
+    """The resolved config (as a run would save it) and each split's partition table: what a
+    run would do, checked against the data, without training or writing anything."""
+    from feddomain.data.federated import federations
+    from feddomain.data.partitioners.table import render_tables
+
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="", flush=True)
+    for fed in federations(cfg):
+        render_tables(fed, console=Console(width=120))
+    print(
+        f"dry run: {cfg.rounds} rounds x {cfg.train.local_epochs} local epoch(s); nothing trained"
+    )
 
 
 def run_experiment(
@@ -371,10 +442,12 @@ def cmd_report(args: argparse.Namespace) -> None:
     from feddomain.evaluation.report import build_report, write_outputs
 
     report = build_report(args.dirs, selection=args.selection)
-    out = args.out or args.dirs[0] / "report"
-    write_outputs(report, out)
     print(report.to_markdown())
-    console.print(f"CSV and plots written to {out}")
+    if args.out is None:  # a run directory is the run's record: nothing is added unasked
+        console.print("no files written; add --out DIR for CSV and plots")
+        return
+    write_outputs(report, args.out)
+    console.print(f"CSV and plots written to {args.out}")
 
 
 # --------------------------------------------------------------------------- data
@@ -389,11 +462,15 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> None:
     from feddomain.data.federated import federations
-    from feddomain.data.partitioners.table import render_tables
+    from feddomain.data.partitioners.table import render_tables, write_partition_csv
 
     cfg = load_config(args.config, args.overrides)
-    for fed in federations(cfg):
-        render_tables(fed, console=Console(width=120), csv_path=args.out)
+    feds = federations(cfg)
+    for fed in feds:
+        render_tables(fed, console=Console(width=120))
+    if args.out is not None:
+        write_partition_csv(args.out, feds)
+        print(f"wrote {args.out}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -405,6 +482,13 @@ def cmd_export(args: argparse.Namespace) -> None:
     for i, (site, n) in enumerate(zip(done.sites, done.counts, strict=True)):
         console.print(f"client {i}: {n} images in {site}")
     console.print(f"target set: {done.target}\nsites config: {done.config}")
+    if done.others:  # one deployment is one split: say which, and how to get the others
+        targets = [name.removeprefix("lodo-") for name in done.others]
+        console.print(
+            f"exported split {done.split} only; the config's other splits "
+            f"({', '.join(done.others)}) need their own export, e.g. "
+            f"split.targets={targets[0]} --out ANOTHER_DIR"
+        )
     console.print(
         "one machine:  feddomain run " + str(done.config) + "\n"
         "SuperNode i:  flower-supernode ... --node-config "

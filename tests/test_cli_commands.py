@@ -38,6 +38,8 @@ def test_describe_missing_root_is_one_clear_line(tmp_path, capsys):
 
 
 def test_partition_writes_client_by_domain_counts(tmp_path, capsys):
+    """Catches wrong counts, and `--out FILE` writing some other file than FILE (it wrote
+    FILE's stem plus the split name; issue 17, item 7)."""
     cfg = tmp_path / "p.yaml"
     cfg.write_text(
         yaml.safe_dump(
@@ -50,9 +52,11 @@ def test_partition_writes_client_by_domain_counts(tmp_path, capsys):
     )
     out = tmp_path / "counts.csv"
     assert main(["data", "partition", str(cfg), "--out", str(out)]) == 0
-    rows = list(csv.reader((tmp_path / "counts_lodo-grey.csv").open()))
-    assert rows[0][:5] == ["client", "grey", "mnistm", "inverted", "sketch"]
-    body = [[int(v) for v in r[1:5]] for r in rows[1:] if r[0] != "total"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counts.csv", "p.yaml"]
+    rows = list(csv.reader(out.open()))
+    assert rows[0] == ["split", "level", "index", "grey", "mnistm", "inverted", "sketch"]
+    assert {(r[0], r[1]) for r in rows[1:]} == {("lodo-grey", "client")}
+    body = [[int(v) for v in r[3:7]] for r in rows[1:]]
     # lambda = 0, three equal sources of 1,250, 5 clients: main-domain counts start at (1, 1, 1)
     # and grow at argmax n_d / m_d (ties to the lowest index): (2, 1, 1), then (2, 2, 1). Each
     # main client holds 1,250 / m_d of its domain and nothing else.
@@ -60,6 +64,8 @@ def test_partition_writes_client_by_domain_counts(tmp_path, capsys):
 
 
 def test_report_reads_runs_and_writes_csv(tmp_path, capsys):
+    """Catches a report whose numbers are not the runs' and one that writes into the run
+    directory it was only asked to read (issue 17, item 7)."""
     run = tmp_path / "runs" / "fedavg"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
@@ -81,7 +87,9 @@ def test_report_reads_runs_and_writes_csv(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "model selection: last" in out
     assert f"{100 * summary['final']['ood_acc']:.1f}" in out
-    assert (tmp_path / "runs" / "report" / "report.csv").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["fedavg"]
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "tables")]) == 0
+    assert (tmp_path / "tables" / "report.csv").is_file()
 
 
 def markdown_rows(text: str, title: str) -> dict[str, list[str]]:
