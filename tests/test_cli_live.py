@@ -42,12 +42,13 @@ def _config(tmp_path: Path, **changes: object) -> Path:
 
 def _start(config: Path, out: Path, tmp_path: Path, *flags: str) -> subprocess.Popen:
     """`feddomain run` as a process whose stdout and stderr are files, as in a cluster job."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "feddomain.cli", "run", str(config), "--out", str(out), *flags],
-        cwd=PROJECT,
-        stdout=open(tmp_path / "stdout.log", "w"),  # noqa: SIM115 (the child owns it)
-        stderr=open(tmp_path / "stderr.log", "w"),  # noqa: SIM115
-    )
+    with open(tmp_path / "stdout.log", "w") as so, open(tmp_path / "stderr.log", "w") as se:
+        return subprocess.Popen(
+            [sys.executable, "-m", "feddomain.cli", "run", str(config), "--out", str(out), *flags],
+            cwd=PROJECT,
+            stdout=so,  # the child keeps its own copies of both files
+            stderr=se,
+        )
 
 
 def _lines(path: Path) -> list[str]:
@@ -88,7 +89,8 @@ def test_logs_grow_while_the_run_goes_and_ctrl_c_says_what_was_kept(tmp_path, ch
     """Catches rounds.jsonl written only at the end of a run (a job killed at its time limit
     kept nothing to look at), and a Ctrl-C message that promises a checkpoint there is none of
     (or hides the one there is)."""
-    config = _config(tmp_path, rounds=200, eval={"every": 1}, checkpoint={"every": checkpoint_every})
+    every = {"every": checkpoint_every}
+    config = _config(tmp_path, rounds=200, eval={"every": 1}, checkpoint=every)
     out = tmp_path / "run"
     proc = _start(config, out, tmp_path)
     deadline = time.time() + 300
