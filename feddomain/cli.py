@@ -23,7 +23,7 @@ from rich.logging import RichHandler
 
 import feddomain
 from feddomain.config import ExperimentConfig, load_config
-from feddomain.errors import FeddomainError
+from feddomain.errors import FeddomainError, Interrupted
 from feddomain.federation.flower.commands import add_commands as add_flower_commands
 
 console = Console(stderr=True)
@@ -65,10 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]interrupted[/] before training began")
         return 130
     return int(status or 0)
-
-
-class Interrupted(Exception):
-    """Ctrl-C during a run; the message says what was kept and how to go on."""
 
 
 EXAMPLES = """examples:

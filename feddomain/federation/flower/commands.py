@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from feddomain.config import load_config
-from feddomain.errors import FeddomainError
+from feddomain.errors import FeddomainError, Interrupted
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -260,12 +260,15 @@ def _stream(cmd: list[str], env: dict[str, str], superlink: str | None) -> int |
                 run_id = int(started.group(1))
         proc.wait()
     except KeyboardInterrupt:
-        if run_id is not None:
-            link = [superlink] if superlink else []
-            cmd_stop = ["flwr", "stop", str(run_id), *link]
-            subprocess.run(cmd_stop, env=env, capture_output=True, timeout=60, check=False)
-            print(f"stopped Flower run {run_id}", flush=True)
-        raise
+        if run_id is None:
+            raise Interrupted("flwr run stopped before it started a run") from None
+        link = [superlink] if superlink else []
+        stop = ["flwr", "stop", str(run_id), *link]
+        subprocess.run(stop, env=env, capture_output=True, timeout=60, check=False)
+        raise Interrupted(
+            f"Flower run {run_id} stopped; with checkpoints, continue it with `feddomain "
+            "flower run --resume DIR`"
+        ) from None
     finally:
         if proc.poll() is None:
             proc.terminate()
