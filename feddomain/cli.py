@@ -132,7 +132,19 @@ def _parser() -> argparse.ArgumentParser:
         help="which evaluated round each run reports (default: source_val)",
     )
     rep.add_argument(
-        "--out", type=Path, default=None, help="folder for CSV and plots (default: none written)"
+        "--spread",
+        default="std",
+        choices=["std", "se"],
+        help="spread over seeds: sample std or standard error of the mean (default: std)",
+    )
+    rep.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for report.md/.csv/.tex and PNG/PDF plots (default: nothing written)",
+    )
+    rep.add_argument(
+        "--html", action="store_true", help="also write report.html (one self-contained page)"
     )
     rep.set_defaults(func=cmd_report)
 
@@ -425,25 +437,34 @@ def cmd_demo(args: argparse.Namespace) -> None:
     for method in DEMO_METHODS:
         cfg = load_config(config, [f"algorithm={method}", *args.overrides])
         run_experiment(cfg, out / method, quiet=args.quiet)
-    from feddomain.evaluation.report import build_report, write_outputs
+    from feddomain.evaluation.report import build_report, write_html, write_outputs
 
     report = build_report([out], selection="source_val")
     write_outputs(report, out / "report")
+    page = write_html(report, out / "report" / "report.html")
     print(report.to_markdown())
-    console.print(f"demo finished in {time.perf_counter() - start:.0f}s; runs and plots in {out}")
+    print(
+        f"demo finished in {time.perf_counter() - start:.0f}s; runs in {out}\n"
+        f"report: {out / 'report' / 'report.md'}\nopen in a browser: {page}",
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------------- report
 def cmd_report(args: argparse.Namespace) -> None:
-    from feddomain.evaluation.report import build_report, write_outputs
+    from feddomain.evaluation.report import build_report, write_html, write_outputs
 
-    report = build_report(args.dirs, selection=args.selection)
+    if args.html and args.out is None:
+        raise FeddomainError("--html writes report.html into --out DIR; add --out")
+    report = build_report(args.dirs, selection=args.selection, spread=args.spread)
     print(report.to_markdown())
     if args.out is None:  # a run directory is the run's record: nothing is added unasked
-        console.print("no files written; add --out DIR for CSV and plots")
+        console.print("no files written; add --out DIR for CSV, LaTeX, plots (and --html)")
         return
     write_outputs(report, args.out)
-    console.print(f"CSV and plots written to {args.out}")
+    if args.html:
+        console.print(f"HTML report: {write_html(report, args.out / 'report.html')}")
+    console.print(f"tables and plots written to {args.out}")
 
 
 # --------------------------------------------------------------------------- data
