@@ -116,12 +116,13 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
         summary = json.loads((out / method / "summary.json").read_text())
         assert summary["method"] == method and summary["target_domains"] == ["sketch"]
         assert summary["rounds"] == 1
-        cell, avg, seeds = table[method]
-        percent = float(cell.split()[0])
-        assert 0.0 <= percent <= 100.0 and seeds == "1"
-        assert cell.startswith(f"{100 * summary['ood_acc']:.1f} ") and avg == f"{percent:.1f}"
+        cell, avg, seeds, budget, selected = table[method]
+        assert (seeds, budget, selected) == ("1", "1×1", "1")
+        assert cell == f"{100 * summary['ood_acc']:.1f}" == avg  # one seed: no spread
     assert set(markdown_rows(printed, "— id accuracy (%)")) == set(DEMO_METHODS)
     assert (out / "report" / "report.csv").is_file() and (out / "report" / "report.md").is_file()
+    assert printed.rstrip().endswith(f"open in a browser: {out / 'report' / 'report.html'}")
+    assert (out / "report" / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
 def test_run_help_lists_every_method_with_its_description(capsys):

@@ -692,10 +692,7 @@ def _plot_confidence(groups: list[GroupResult]) -> Figure | None:
             ax.set(title=f"{g.algorithm} — {split}", xlim=(0, 1), xlabel="max probability")
     axes[0][0].set_ylabel("density")
     axes[0][0].legend(fontsize="small", loc="upper left")
-    fig.suptitle(
-        f"Confidence of correct and wrong predictions, {groups[0].dataset} target "
-        f"{groups[0].target} (each run's reported model)"
-    )
+    fig.suptitle(f"{groups[0].dataset} target {groups[0].target}: confidence, correct vs wrong")
     return fig
 
 
