@@ -138,3 +138,23 @@ def test_run_help_lists_every_method_with_its_description(capsys):
         assert spec.description
         assert listed.get(name) == " ".join(spec.description.split()), name
     assert "(McMahan et al., AISTATS 2017)" in listed["fedavg"]
+
+
+def test_a_target_below_chance_under_every_method_is_explained(tmp_path):
+    """Catches a demo table with a target far below chance (grey: 0.2% under every method)
+    and no word on why, which reads as a bug; and a note for a target where some method is
+    above chance."""
+    from feddomain.cli import below_chance_notes
+    from feddomain.evaluation.report import build_report
+    from tests.test_report import write_run
+
+    for algo, ood in (("fedavg", 0.002), ("local", 0.005)):
+        write_run(tmp_path, algo, "grey", 0, (ood, 0.9, 0.1))
+    write_run(tmp_path, "fedavg", "sketch", 0, (0.04, 0.9, 0.1))
+    write_run(tmp_path, "local", "sketch", 0, (0.08, 0.9, 0.1))
+    write_run(tmp_path, "fedavg", "mnistm", 0, (0.05, 0.9, 0.1))
+    write_run(tmp_path, "local", "mnistm", 0, (0.30, 0.9, 0.1))  # above chance: no note
+    grey, sketch = below_chance_notes(build_report([tmp_path]), n_classes=10)
+    assert grey.startswith("note: on target grey every method is below chance (10%)")
+    assert "only light-on-dark domain" in grey
+    assert sketch.startswith("note: on target sketch") and "please report it" in sketch

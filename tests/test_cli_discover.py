@@ -107,3 +107,16 @@ def test_config_reference_is_current_and_documents_every_key():
         assert f"### `{name}`" in text
         for key in spec.hparams.model_fields:
             assert f"| `algorithm.{key}` |" in text.split(f"### `{name}`")[1].split("###")[0]
+
+
+def test_data_export_says_which_split_it_wrote_and_how_to_get_the_others(tmp_path, capsys):
+    """Catches `data export` of a config with several splits silently writing only the first
+    (a user would deploy one target believing they had them all)."""
+    out = tmp_path / "sites"
+    argv = ["data", "export", str(DEMO), "split.targets=[grey, sketch]", "--out", str(out)]
+    assert main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "exported split lodo-grey only" in printed
+    assert "other splits (lodo-sketch) need their own export" in printed
+    assert "split.targets=sketch --out ANOTHER_DIR" in printed
+    assert yaml.safe_load((out / "sites.yaml").read_text())["split"]["targets"] == ["grey"]
