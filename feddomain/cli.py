@@ -1,4 +1,5 @@
-"""Command line: ``feddomain demo | run | report | data describe | partition | export | flower``.
+"""Command line: ``feddomain demo | list | run | report | data describe | partition | export |
+flower``.
 
 Every user-facing failure is a ``FeddomainError`` whose message names the file, key or value at
 fault; ``main`` prints it on one line and exits with status 2 instead of a traceback. ``data
@@ -25,10 +26,10 @@ from rich.logging import RichHandler
 import feddomain
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError, Interrupted
+from feddomain.federation.flower.commands import add_commands as add_flower_commands
 
 if TYPE_CHECKING:
     from feddomain.evaluation.report import Report
-from feddomain.federation.flower.commands import add_commands as add_flower_commands
 
 console = Console(stderr=True)
 PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]interrupted:[/] {err}", highlight=False, soft_wrap=True)
         return 130
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/] before training began")
+        console.print("[yellow]interrupted[/]")
         return 130
     return int(status or 0)
 
@@ -77,7 +78,7 @@ EXAMPLES = """examples:
   feddomain run configs/demo.yaml algorithm=fedprox split.targets=sketch --out runs/prox
   feddomain run configs/demo.yaml --dry-run         # resolved config and partition, no training
   feddomain run --resume runs/prox                  # continue an interrupted run
-  feddomain report runs/prox --out report/          # method x target table, CSV, plots
+  feddomain report runs/prox --out report/ --html   # tables (md, CSV, LaTeX), plots, HTML
 
 docs (in the repository): README.md; every config key and method hyper-parameter:
 docs/config.md; deploying on Flower: docs/deployment.md"""
