@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+import feddomain.cli
 import feddomain.config
 from feddomain.cli import main
 from feddomain.config import default_threads
@@ -131,3 +132,45 @@ def test_default_threads_are_half_the_usable_cores(monkeypatch, cores, threads):
     """Catches a default of every core (oversubscribes a shared machine) or of zero threads."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
     assert default_threads() == threads
+
+
+class _StopAtRound:
+    """A progress display whose tick raises Ctrl-C after a given round was logged (and before
+    that round's checkpoint), as a user's Ctrl-C can."""
+
+    def __init__(self, stop: int) -> None:
+        self.stop = stop
+
+    def __call__(self, quiet: bool, label: str, total: int) -> _StopAtRound:
+        return self
+
+    def __enter__(self):
+        def tick(rnd: int, record: dict | None) -> None:
+            if rnd == self.stop:
+                raise KeyboardInterrupt
+
+        return tick
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_resume_drops_the_rounds_logged_after_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """Catches a resume that keeps rounds.jsonl's lines from after the checkpoint and appends
+    the recomputed rounds again (round 3 twice), now that the log grows during the run."""
+    config = _config(tmp_path, checkpoint={"every": 2})
+    reference = tmp_path / "reference"
+    assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
+    out = tmp_path / "run"
+    monkeypatch.setattr(feddomain.cli, "_progress", _StopAtRound(3))
+    assert main(["run", str(config), "--out", str(out)]) == 130
+    assert f"the last checkpoint in {out} is kept" in " ".join(capsys.readouterr().err.split())
+    assert [json.loads(x)["round"] for x in _lines(out / "rounds.jsonl")] == [1, 2, 3]
+    monkeypatch.undo()
+    assert main(["run", "--resume", str(out), "--quiet"]) == 0
+
+    def logged(run: Path, name: str) -> list[dict]:
+        return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in _lines(run / name)]
+
+    for name in ("rounds.jsonl", "metrics.jsonl"):
+        assert logged(out, name) == logged(reference, name)
