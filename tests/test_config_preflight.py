@@ -50,7 +50,6 @@ def no_data(monkeypatch):
         ("partition.n_clients=1", "n_clients=1 with d=1 gives 1 parts for 3 source domains"),
         ("split.scheme=xy-z-q", "letter 'x' in scheme 'xy-z-q' matches no domain"),
         ("algorithm.mu=0.1", "unknown key 'algorithm.mu'"),
-        ("dataset.name=pac", "did you mean 'PACS'?"),
     ],
 )
 def test_bad_configs_fail_before_data_and_leave_no_directory(

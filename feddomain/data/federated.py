@@ -96,7 +96,10 @@ def check_data_config(cfg: ExperimentConfig) -> None:
     """The config's dataset name, targets, split scheme and partition counts, checked against
     the dataset's declared domains without reading any data (a folder dataset's domains are
     known only once scanned: its checks wait for the data)."""
-    spec = get_spec(cfg.dataset.name)
+    try:
+        spec = get_spec(cfg.dataset.name)
+    except DataError:  # named by load_dataset, before it reads anything; code may build its own
+        return
     domains = EMBEDDED_DOMAINS if spec.builtin is not None else spec.domains
     if domains is None or cfg.partition.name == "sites":
         return
