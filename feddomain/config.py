@@ -8,6 +8,7 @@ a message naming the key and the closest valid one. Method-specific hyper-parame
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,50 +26,79 @@ from feddomain.errors import ConfigError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # attribute docstrings are the fields' descriptions: docs/config.md is generated from them
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class DatasetConfig(Section):
+    """Which images, at what size."""
+
     name: str = "digits_embedded"
-    root: str | None = (
-        None  # directory holding <Dataset>/<domain>/<class>/...; not needed for embedded
-    )
+    """Dataset preset (`feddomain list datasets`), or `folder` for any DomainBed-style tree."""
+    root: str | None = None
+    """Folder holding `<Dataset>/<domain>/<class>/<image>`; not needed for `digits_embedded`."""
     resolution: int = Field(32, ge=8, le=512)
+    """Square side in pixels every image is resized to."""
     cache_dir: str | None = None
+    """Decoded-image cache; null: `$FEDDOMAIN_CACHE`, else `~/.cache/feddomain`."""
     skip_corrupt: bool = False
-    # Label order for site data (partition `sites`), whose folders may each lack some classes;
-    # None: the dataset's preset classes, else the class folders found.
+    """Leave out images that fail to decode (listed) instead of stopping."""
     classes: list[str] | None = None
+    """Label order for partition `sites`, whose folders may each lack some classes; null: the
+    dataset's preset classes, else the class folders found."""
 
 
 class SplitConfig(Section):
-    # "lodo": each target domain in `targets` held out in turn (all domains when targets is None);
-    # "official": PACS-style official per-domain train/crossval lists for id validation;
-    # otherwise a scheme "<train letters>-<val letter>-<test letter>", e.g. "ac-p-s".
+    """Which domains are sources, validation and unseen targets."""
+
     scheme: str = "lodo"
+    """`lodo`: each domain of `targets` held out in turn (all domains when `targets` is null);
+    `official`: PACS-style official train/crossval lists for id validation; or
+    `<train letters>-<val letter>-<test letter>`, e.g. `ac-p-s`."""
     targets: list[str] | None = None
+    """Unseen domains under `lodo` (one run each); a bare name is a one-element list."""
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _one_target(cls, value: Any) -> Any:
+        """``split.targets=photo`` (a bare name on the command line) means ``[photo]``."""
+        return [value] if isinstance(value, str) else value
+
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of each client's data held out as its (in-domain) validation split."""
     official_lists: bool = False
+    """Use the dataset's official train/validation lists (PACS) instead of `val_fraction`."""
     few_shot: int = Field(0, ge=0)
+    """Labelled target-domain samples given to training (0: none, pure generalisation)."""
     few_shot_per_class: bool = True
-    # a seeded share of each target domain's images set aside, unlabeled, as its pilot set
-    # (FedVR's zero-shot model is built from it; FedVR uses 0.1) and left out of evaluation for
-    # every method alike; 0: no pilot set
+    """`few_shot` counts per class (true) or in all (false)."""
     pilot_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    # partition `sites`: folder <domain>/<class>/<image> holding the `targets` domains (on
-    # Flower, a SuperNode's `target-root`)
+    """Seeded share of each target domain set aside, unlabeled, as its pilot set (FedVR builds
+    its zero-shot model from it; FedVR uses 0.1), left out of evaluation for every method."""
     target_root: str | None = None
+    """Partition `sites`: folder `<domain>/<class>/<image>` holding the `targets` domains (on
+    Flower, a SuperNode's `target-root`)."""
 
 
 class PartitionConfig(Section):
-    # "sites": no partitioning; client i's data is its own folder (`sites[i]` here, a SuperNode's
-    # `site-root` on Flower), each <domain>/<class>/<image>
+    """How the source data is divided among clients."""
+
     name: Literal["domains_per_client", "lambda", "dirichlet", "sites"] = "domains_per_client"
+    """`domains_per_client` (hFedF's d domains each), `lambda` (Bai et al.'s heterogeneity),
+    `dirichlet` over domains, or `sites` (client i's data is its own folder)."""
     n_clients: int = Field(3, ge=1)
+    """Number of clients (with `sites`: the number of folders)."""
     d: int = Field(1, ge=1)
+    """`domains_per_client`: distinct source domains per client."""
     lam: float = Field(0.1, ge=0.0, le=1.0)
+    """`lambda`: share of each client's data drawn from all domains (0: one domain each)."""
     alpha: float = Field(1.0, gt=0.0)
+    """`dirichlet`: concentration (small: few domains per client)."""
     sites: list[str] | None = None
+    """`sites`: one folder per client, each `<domain>/<class>/<image>` (on Flower, a
+    SuperNode's `site-root`)."""
 
     @model_validator(mode="after")
     def _clients_from_sites(self) -> PartitionConfig:
@@ -88,73 +118,117 @@ class PartitionConfig(Section):
 
 
 class TopologyConfig(Section):
+    """Who takes part in a round, and optional stations between clients and server."""
+
     sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
-    stations: int = Field(0, ge=0)  # 0: flat federation (clients -> server)
+    """Share of clients (or stations) sampled each round, seeded."""
+    stations: int = Field(0, ge=0)
+    """Stations of a hierarchical federation; 0: flat (clients talk to the server)."""
     station_rounds: int = Field(1, ge=1)
+    """Rounds a station runs with its clients per global round."""
     station_assignment: Literal["contiguous", "round_robin", "random_balanced"] = "contiguous"
+    """How clients are assigned to stations."""
 
 
 class ModelConfig(Section):
+    """The network every client trains."""
+
     name: str = "lenet5"
+    """Backbone (`feddomain list models`)."""
     options: dict[str, Any] = Field(default_factory=dict)
-    # Frozen-backbone mode (FedVR's protocol; a fast CPU path): the backbone's features of every
-    # image are computed once and cached, and only a head on top of them is trained.
+    """The model's keyword options, e.g. `{norm: batch}` (`feddomain list models`)."""
     frozen: bool = False
-    head_hidden: int | None = Field(None, ge=1)  # None: linear head; else one hidden ReLU layer
-    backbone_resolution: int | None = Field(None, ge=8)  # resize for the backbone (e.g. 224)
+    """Frozen-backbone mode (FedVR's protocol; a fast CPU path): the backbone's features of
+    every image are computed once and cached; only a head on top of them trains."""
+    head_hidden: int | None = Field(None, ge=1)
+    """Frozen mode: null for a linear head, else the width of one hidden ReLU layer."""
+    backbone_resolution: int | None = Field(None, ge=8)
+    """Frozen mode: image side the backbone sees (e.g. 224); null: `dataset.resolution`."""
 
 
 class AugmentSection(Section):
+    """Training-time augmentation (each client, on its own batches)."""
+
     hflip: bool = False
-    random_resized_crop: tuple[float, float] | None = None  # area scale range, e.g. (0.7, 1.0)
+    """Random horizontal flips."""
+    random_resized_crop: tuple[float, float] | None = None
+    """Area scale range of random resized crops, e.g. `[0.7, 1.0]`; null: off."""
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    """Aspect ratio range of those crops."""
     color_jitter: tuple[float, float, float, float] | None = None
+    """Brightness, contrast, saturation, hue jitter; null: off."""
     grayscale_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability of converting an image to greyscale."""
 
 
 class TrainConfig(Section):
+    """Each client's local training."""
+
     local_epochs: int = Field(1, ge=1)
+    """Passes over the client's data per round."""
     batch_size: int = Field(32, ge=1)
+    """Mini-batch size."""
     optimizer: Literal["adam", "sgd"] = "adam"
+    """Client optimiser."""
     lr: float = Field(1e-3, gt=0.0)
+    """Client learning rate (of round 1 under a schedule)."""
     momentum: float = Field(0.0, ge=0.0)
+    """SGD momentum."""
     weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float | None = Field(None, gt=0.0)  # max gradient L2 norm per step; None: off
-    drop_last: bool = False  # skip each epoch's final partial batch
-    # learning rate per global round: constant, cosine to min_lr, or step (x step_gamma once
-    # step_at of the rounds are done)
+    """L2 weight decay of the optimiser."""
+    grad_clip: float | None = Field(None, gt=0.0)
+    """Maximum gradient L2 norm per step; null: off."""
+    drop_last: bool = False
+    """Skip each epoch's final partial batch."""
     schedule: Literal["constant", "cosine", "step"] = "constant"
+    """Learning rate per global round: constant, cosine to `min_lr`, or step (x `step_gamma`
+    once `step_at` of the rounds are done)."""
     min_lr: float = Field(0.0, ge=0.0)
+    """`cosine`: the final learning rate."""
     step_at: float = Field(0.8, gt=0.0, le=1.0)
+    """`step`: share of the rounds after which the rate drops."""
     step_gamma: float = Field(0.1, gt=0.0, le=1.0)
-    # keep each client's optimiser state (momentum, Adam moments) across its rounds (FedDG-GA's
-    # protocol) instead of a fresh optimiser per round
+    """`step`: the factor it drops by."""
     persistent_optimizer: bool = False
-    # after local training, re-estimate BatchNorm running statistics with the final weights over
-    # one pass of the client's training data (PreciseBN); see docs/results.md (issue 11)
+    """Keep each client's optimiser state (momentum, Adam moments) across its rounds
+    (FedDG-GA's protocol) instead of a fresh optimiser per round."""
     precise_bn: bool = False
+    """After local training, re-estimate BatchNorm statistics with the final weights over one
+    pass of the client's data (PreciseBN)."""
     augment: AugmentSection = Field(default_factory=AugmentSection)
-    # per-channel normalisation; None keeps inputs in [0, 1] (hFedF's protocol)
     mean: tuple[float, float, float] | None = None
+    """Per-channel input mean; null (with `std`) keeps inputs in [0, 1] (hFedF's protocol)."""
     std: tuple[float, float, float] | None = None
+    """Per-channel input standard deviation."""
 
 
 class EvalConfig(Section):
+    """When and how runs are scored."""
+
     every: int = Field(5, ge=1)
+    """Evaluate every this many rounds (and after the last)."""
     batch_size: int = Field(512, ge=1)
+    """Batch size of evaluation."""
     selection: Literal["source_val", "last", "oracle"] = "source_val"
+    """Which evaluated round a run reports: best source validation, the last, or `oracle`
+    (peeks at the target domain; always labelled so)."""
 
 
 class CheckpointConfig(Section):
-    every: int = Field(5, ge=0)  # 0 disables checkpoints
+    """Checkpoints for `--resume`."""
+
+    every: int = Field(5, ge=0)
+    """Checkpoint every this many rounds; 0: never (an interrupted run restarts)."""
 
 
 class AlgorithmConfig(BaseModel):
     """``name`` picks the method; every other key is that method's hyper-parameter."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
     name: str = "fedavg"
-    label: str | None = None  # how reports name this run (e.g. an ablation); default: name
+    """The method (`feddomain list methods`); its hyper-parameters are listed below."""
+    label: str | None = None
+    """How reports name this run (e.g. an ablation); null: `name`."""
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -162,14 +236,24 @@ class AlgorithmConfig(BaseModel):
 
 
 class ExperimentConfig(Section):
+    """One experiment: YAML plus dotted command-line overrides."""
+
     name: str = "experiment"
+    """The experiment's name (reports group runs by it)."""
     seed: int = 0
+    """Seeds every random draw (data split, partition, initialisation, training)."""
     rounds: int = Field(30, ge=1)
-    threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default
-    # where clients train and models are evaluated: auto (CUDA when available), cpu, cuda, cuda:N
+    """Global federated rounds."""
+    threads: int | None = Field(None, ge=1)
+    """Torch intra-op threads; null: half the CPU cores this process may use, at least 1
+    (README, "Threads")."""
     device: str = "auto"
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: mixed precision (CUDA only)
-    deterministic: bool = False  # deterministic CUDA kernels (cuDNN, cuBLAS); docs/performance.md
+    """Where clients train and models are evaluated: auto (CUDA when available), cpu, cuda,
+    cuda:N."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: mixed precision (CUDA only)."""
+    deterministic: bool = False
+    """Deterministic CUDA kernels (cuDNN, cuBLAS); docs/performance.md."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     split: SplitConfig = Field(default_factory=SplitConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
@@ -220,6 +304,20 @@ class ExperimentConfig(Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @property
+    def torch_threads(self) -> int:
+        """The intra-op thread count a run uses: ``threads``, else ``default_threads()``."""
+        return self.threads or default_threads()
+
+
+def default_threads() -> int:
+    """Half the CPU cores this process may run on, at least 1. Torch's own default (every
+    core) oversubscribes a shared machine: on a loaded 2-core machine a demo round took about
+    10x longer with 2 threads than with 1 (README, "Threads")."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return max(1, cores // 2)
+
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate."""
@@ -266,8 +364,12 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, source)) from None
+    _check_model(cfg)
     _check_algorithm(cfg)
     _check_weights(cfg)
+    from feddomain.data.federated import check_data_config  # late: data imports this module
+
+    check_data_config(cfg)
     return cfg
 
 
@@ -275,6 +377,23 @@ def _check_weights(cfg: ExperimentConfig) -> None:
     from feddomain.models import check_weights  # late: models are not needed otherwise
 
     check_weights(cfg.model.name, cfg.model.options)
+
+
+def _check_model(cfg: ExperimentConfig) -> None:
+    """Model name and options, by building the model's structure without weights or data."""
+    from feddomain.models import model_skeleton  # late: models are not needed otherwise
+
+    m = cfg.model
+    try:
+        model_skeleton(
+            m.name,
+            resolution=cfg.dataset.resolution,
+            options=m.options,
+            frozen=m.frozen,
+            head_hidden=m.head_hidden,
+        )
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model {m.name!r} with options {m.options}: {err}") from None
 
 
 def _check_algorithm(cfg: ExperimentConfig) -> None:

@@ -11,3 +11,8 @@ class DataError(FeddomainError):
 
 class ConfigError(FeddomainError):
     """A configuration key or value is invalid."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) during a command; the message says what was kept and how to go on.
+    The CLI prints it without a traceback and exits with status 130."""

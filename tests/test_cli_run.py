@@ -128,6 +128,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(
     got_lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     strip = lambda rec: {k: v for k, v in rec.items() if k != "time"}  # noqa: E731
     assert [strip(r) for r in got_lines] == [strip(r) for r in ref_lines]
+    # rounds.jsonl is appended live: a resume must cut it back to the checkpoint's rounds
+    ref_rounds = [json.loads(x) for x in (reference / "rounds.jsonl").read_text().splitlines()]
+    got_rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [strip(r) for r in got_rounds] == [strip(r) for r in ref_rounds]
     assert not (out / "checkpoint.pt").exists()
 
 

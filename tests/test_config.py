@@ -25,6 +25,7 @@ def test_dotted_overrides_are_typed_and_nested(config_file):
             "rounds=50",
             "algorithm.mu=0.5",
             "train.augment.hflip=true",
+            "dataset.name=pacs",
             "split.targets=[photo, sketch]",
         ],
     )

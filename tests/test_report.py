@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from feddomain.errors import ConfigError, DataError
-from feddomain.evaluation.report import build_report, pool_confidence_hist, pool_reliability
+from feddomain.evaluation.report import (
+    _plot_curves,
+    _plot_reliability,
+    build_report,
+    pool_confidence_hist,
+    pool_reliability,
+    write_html,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TARGETS = ("photo", "sketch")
 
 # Values at the source-validation round (round 10, highest id_acc) per (method, target):
 # (ood_acc, id_acc, ood_ece) for seed 0 and seed 1.
@@ -108,13 +119,13 @@ def test_source_val_table_mean_and_sample_std(runs_root: Path):
     # fedavg photo: mean(.70, .74) = .72; sample std = |.74 - .70| / sqrt(2) = .0283 -> 2.8
     # fedavg sketch: mean(.40, .50) = .45; std .10 / sqrt 2 = .0707 -> 7.1; avg (72 + 45)/2
     # hfedf photo: mean(.76, .80) = .78, std 2.8; sketch: mean(.50, .56) = .53, std .06/sqrt2
-    assert ood["method"] == ["photo", "sketch", "avg", "seeds"]
-    assert ood["fedavg"] == ["72.0 ± 2.8", "45.0 ± 7.1", "58.5", "2"]
-    assert ood["hfedf"] == ["78.0 ± 2.8", "53.0 ± 4.2", "65.5", "2"]
+    assert ood["method"] == ["photo", "sketch", "avg", "seeds", "budget", "round"]
+    assert ood["fedavg"] == ["72.0 ± 2.8", "45.0 ± 7.1", "58.5", "2", "15×1", "10"]
+    assert ood["hfedf"] == ["78.0 ± 2.8", "53.0 ± 4.2", "65.5", "2", "15×1", "10"]
     ident = table(md, "## pacs — id accuracy (%)")
     # fedavg: photo (.90, .92) -> 91.0 ± 1.4; sketch (.80, .80) -> 80.0 ± 0.0; avg 85.5
-    assert ident["fedavg"] == ["91.0 ± 1.4", "80.0 ± 0.0", "85.5", "2"]
-    assert ident["hfedf"] == ["95.0 ± 1.4", "86.0 ± 1.4", "90.5", "2"]
+    assert ident["fedavg"][:4] == ["91.0 ± 1.4", "80.0 ± 0.0", "85.5", "2"]
+    assert ident["hfedf"][:4] == ["95.0 ± 1.4", "86.0 ± 1.4", "90.5", "2"]
     ece = table(md, "## pacs — ood ECE (%)")
     # fedavg photo (.10, .06) -> 8.0 ± 2.8; hfedf sketch (.12, .10) -> 11.0 ± 1.4
     assert ece["fedavg"][0] == "8.0 ± 2.8"
@@ -134,10 +145,47 @@ def test_selection_rule_changes_the_numbers(runs_root: Path):
     assert oracle["fedavg"][0] == "82.0 ± 2.8"
 
 
-def test_single_seed_is_flagged(tmp_path: Path):
+def test_a_single_seed_shows_its_value_without_a_spread(tmp_path: Path):
+    """Catches a '± 0.0' for one seed, which reads as a measured zero spread (issue 17)."""
     write_run(tmp_path, "fedavg", "photo", 3, (0.61, 0.9, 0.1))
     md = build_report([tmp_path]).to_markdown()
-    assert table(md, "## pacs — ood accuracy (%)")["fedavg"] == ["61.0 ± 0.0 (1 seed)", "61.0", "1"]
+    assert table(md, "## pacs — ood accuracy (%)")["fedavg"] == ["61.0", "61.0", "1", "15×1", "10"]
+
+
+def test_standard_error_is_selectable(runs_root: Path):
+    """Catches `spread="se"` still printing the sample std: fedavg sketch (.40, .50) has std
+    .0707 and standard error .0707 / sqrt(2) = .05."""
+    md = build_report([runs_root], spread="se").to_markdown()
+    assert table(md, "## pacs — ood accuracy (%)")["fedavg"][1] == "45.0 ± 5.0"
+    assert "standard error of the mean" in md
+    with pytest.raises(ConfigError, match="unknown spread 'iqr'"):
+        build_report([runs_root], spread="iqr")
+
+
+def test_runs_with_different_configs_or_budgets_are_never_mixed_silently(runs_root: Path):
+    """Catches seeds of different settings averaged into one cell, and methods trained for
+    different budgets compared without a word; a different data root or thread count is the
+    same setting and must not raise a note."""
+    (runs_root / "fedavg_photo_s1" / "config.yaml").write_text(
+        "algorithm: fedavg\nseed: 1\nthreads: 4\ndataset: {root: /elsewhere}\n"
+    )
+    assert build_report([runs_root]).warnings == []
+    (runs_root / "fedavg_photo_s1" / "config.yaml").write_text(
+        "algorithm: fedavg\nseed: 1\ntrain: {local_epochs: 2}\n"
+    )
+    (runs_root / "fedavg_photo_s0" / "config.yaml").write_text(
+        "algorithm: fedavg\nseed: 0\ntrain: {local_epochs: 1}\n"
+    )
+    report = build_report([runs_root])
+    mixed, budgets = report.warnings
+    assert mixed.startswith("fedavg on pacs/photo averages runs whose configs differ")
+    assert "train.local_epochs: seed 0=1, seed 1=2" in mixed
+    assert (
+        budgets
+        == "pacs: methods were trained with different budgets (fedavg 15×1/15×2, hfedf 15×1)"
+    )
+    ood = table(report.to_markdown(), "## pacs — ood accuracy (%)")
+    assert ood["fedavg"][4] == "15×1, 15×2"
 
 
 def test_missing_cell_leaves_avg_blank(tmp_path: Path):
@@ -173,22 +221,31 @@ def test_outputs_csv_rows_and_png_plots(runs_root: Path, tmp_path: Path):
     assert float(g["id_acc_std"]) == pytest.approx(0.0, abs=1e-12)
 
     assert (out / "report.md").read_text() == report.to_markdown()
-    for kind in ("curves", "reliability", "confidence"):
-        for target in ("photo", "sketch"):
-            png = out / f"{kind}_pacs_{target}.png"
-            assert png in report.files
-            assert png.read_bytes()[:8] == PNG_MAGIC
-            with Image.open(png) as im:
-                assert im.width > 100 and im.height > 100
+    tex = (out / "report.tex").read_text()
+    # fedavg's ood row: mean ± sample std with LaTeX's \pm, budget with \times, 7 columns
+    assert "fedavg & 72.0 $\\pm$ 2.8 & 45.0 $\\pm$ 7.1 & 58.5 & 2 & 15$\\times$1 & 10 \\\\" in tex
+    assert tex.count("\\begin{tabular}{lrrrrrr}") == 3 and tex.count("\\bottomrule") == 3
+    assert {r["rounds"] for r in runs} == {"15"} and {r["local_epochs"] for r in runs} == {"1"}
+    stems = [f"{k}_pacs_{t}" for k in ("curves", "reliability", "confidence") for t in TARGETS]
+    for stem in [*stems, "overview_pacs"]:
+        png, pdf = out / f"{stem}.png", out / f"{stem}.pdf"
+        assert png in report.files and pdf in report.files
+        assert png.read_bytes()[:8] == PNG_MAGIC and pdf.read_bytes()[:5] == b"%PDF-"
+        with Image.open(png) as im:
+            assert im.width > 100 and im.height > 100
 
 
 def test_runs_without_reliability_get_no_calibration_plots(tmp_path: Path):
     write_run(tmp_path / "runs", "fedavg", "photo", 0, (0.6, 0.9, 0.1), extras=False)
     report = build_report([tmp_path / "runs"], out=tmp_path / "out")
     assert sorted(p.name for p in report.files) == [
+        "curves_pacs_photo.pdf",
         "curves_pacs_photo.png",
+        "overview_pacs.pdf",
+        "overview_pacs.png",
         "report.csv",
         "report.md",
+        "report.tex",
     ]
 
 
@@ -317,3 +374,72 @@ def test_calibration_bins_must_agree_across_seeds(tmp_path: Path):
     (group,) = build_report([tmp_path]).groups
     with pytest.raises(DataError, match=r"reliability.ood.conf must be a list of 2 numbers"):
         pool_reliability(group)
+
+
+def test_curves_are_in_percent_with_a_seed_band_and_the_selected_round_starred(runs_root: Path):
+    """Catches accuracy plotted as a fraction, a curve without the spread of its seeds, no
+    mark of the round the table reports, and fractional round ticks."""
+    report = build_report([runs_root])
+    fedavg_photo = [g for g in report.groups if (g.algorithm, g.target) == ("fedavg", "photo")]
+    fig = _plot_curves(fedavg_photo)
+    _id_ax, ood_ax = fig.axes
+    mean_line, star = ood_ax.lines
+    # rounds 5, 10, 15; seeds (.70, .74) at round 10, +.10 at round 5, -.02 at round 15
+    assert list(mean_line.get_xdata()) == [5, 10, 15]
+    assert list(mean_line.get_ydata()) == pytest.approx([82.0, 72.0, 70.0])
+    assert (list(star.get_xdata()), star.get_marker()) == ([10], "*")
+    assert list(star.get_ydata()) == pytest.approx([72.0])
+    (band,) = ood_ax.collections
+    lows_highs = band.get_paths()[0].vertices[:, 1]
+    assert min(lows_highs) == pytest.approx(68.0) and max(lows_highs) == pytest.approx(84.0)
+    assert isinstance(ood_ax.xaxis.get_major_locator(), MaxNLocator)
+    assert all(float(t).is_integer() for t in ood_ax.get_xticks())
+    assert ood_ax.get_ylabel() == "ood accuracy (%)"
+
+
+def test_reliability_panels_state_their_ece(runs_root: Path):
+    """Catches a reliability diagram without its calibration error: the bins (count, conf,
+    acc) = (3, .4, .3), (1, .6, .7), (1, .9, 1.0) give ECE (3 * .1 + .1 + .1) / 5 = 10%."""
+    report = build_report([runs_root])
+    photo = [g for g in report.groups if g.target == "photo"]
+    fig = _plot_reliability(photo)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert texts == ["ECE 10.0%", "ECE 10.0%"]
+    assert [ax.get_title() for ax in fig.axes] == ["fedavg", "hfedf"]
+
+
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.sources: list[str] = []
+        self.cells: list[str] = []
+        self._in_cell = False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        attrs = dict(attrs)
+        self.sources += [attrs[k] for k in ("src", "href") if k in attrs]
+        self._in_cell = tag in ("td", "th")
+
+    def handle_data(self, data):
+        if self._in_cell:
+            self.cells.append(data)
+            self._in_cell = False
+
+
+def test_html_page_is_self_contained_with_tables_and_every_figure(runs_root: Path, tmp_path):
+    """Catches a page that links to files beside it (it breaks when mailed or moved), drops a
+    figure, or loses the table's numbers."""
+    report = build_report([runs_root], out=tmp_path / "out")
+    page = write_html(report, tmp_path / "out" / "report.html")
+    parser = _Page()
+    parser.feed(page.read_text())
+    assert parser.tags.count("table") == 3  # ood, id, ECE tables of pacs
+    assert "72.0 ± 2.8" in parser.cells and "15×1" in parser.cells
+    pngs = [f for f in report.files if f.suffix == ".png"]
+    assert len(parser.sources) == len(pngs) == 7
+    for src in parser.sources:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
+    assert "script" not in parser.tags and "link" not in parser.tags

@@ -75,7 +75,8 @@ def plan_items(plan: Plan) -> Iterable[tuple[int, Message]]:
 class Hparams(BaseModel):
     """Base for a method's hyper-parameters: unknown keys are errors, values are typed."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # attribute docstrings become the hyper-parameters' meanings in docs/config.md
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 @dataclass

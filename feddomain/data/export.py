@@ -30,6 +30,8 @@ class SiteExport:
     target: Path
     config: Path
     counts: list[int]  # images per site
+    split: str  # the split written
+    others: list[str]  # the config's other splits, not written
 
 
 def export_sites(cfg: ExperimentConfig, out: Path) -> SiteExport:
@@ -39,7 +41,7 @@ def export_sites(cfg: ExperimentConfig, out: Path) -> SiteExport:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export folder {out} already holds files; choose a new one")
     dataset = load_experiment_dataset(cfg)
-    split = experiment_splits(cfg, dataset)[0]
+    split, *others = experiment_splits(cfg, dataset)
     train, val = client_indices(cfg, dataset, split)
     sites, counts = [], []
     for cid, (tr, va) in enumerate(zip(train, val, strict=True)):
@@ -52,7 +54,7 @@ def export_sites(cfg: ExperimentConfig, out: Path) -> SiteExport:
     raw["split"]["targets"] = list(split.test)
     validate_config(raw, source="exported sites config")
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return SiteExport(sites, target, config, counts)
+    return SiteExport(sites, target, config, counts, split.name, [o.name for o in others])
 
 
 def _write_images(dataset: DomainDataset, indices: np.ndarray, root: Path) -> int:

@@ -7,6 +7,7 @@ memory. Every step is seeded from the experiment seed with its own stream.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from feddomain.config import ExperimentConfig
 from feddomain.data.augment import AugmentConfig, BatchAugment
 from feddomain.data.cache import default_cache_dir
 from feddomain.data.dataset import DomainDataset
+from feddomain.data.embedded import DOMAINS as EMBEDDED_DOMAINS
 from feddomain.data.partitioners import partition
+from feddomain.data.partitioners.domains_per_client import check_domain_counts
 from feddomain.data.partitioners.stations import assign_stations
 from feddomain.data.sources import (
     get_spec,
@@ -104,6 +107,36 @@ def federations(cfg: ExperimentConfig) -> list[FederatedData]:
         return [build_site_data(cfg, list(cfg.partition.sites), cfg.split.target_root)]
     dataset = load_experiment_dataset(cfg)
     return [build_federated_data(cfg, dataset, s) for s in experiment_splits(cfg, dataset)]
+
+
+def check_data_config(cfg: ExperimentConfig) -> None:
+    """The config's dataset name, targets, split scheme and partition counts, checked against
+    the dataset's declared domains without reading any data (a folder dataset's domains are
+    known only once scanned: its checks wait for the data)."""
+    try:
+        spec = get_spec(cfg.dataset.name)
+    except DataError:  # named by load_dataset, before it reads anything; code may build its own
+        return
+    domains = EMBEDDED_DOMAINS if spec.builtin is not None else spec.domains
+    if domains is None or cfg.partition.name == "sites":
+        return
+    scheme = cfg.split.scheme
+    if scheme != "lodo":
+        split = parse_scheme(scheme, domains)
+    elif cfg.split.targets:
+        unknown = [t for t in cfg.split.targets if t not in domains]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], domains, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"split.targets {unknown} are not domains of {spec.name}{hint} "
+                f"(domains: {', '.join(domains)})"
+            )
+        split = leave_one_domain_out(domains)[domains.index(cfg.split.targets[0])]
+    else:
+        split = leave_one_domain_out(domains)[0]
+    if cfg.partition.name == "domains_per_client":
+        check_domain_counts(cfg.partition.n_clients, cfg.partition.d, len(split.train))
 
 
 def load_experiment_dataset(cfg: ExperimentConfig) -> DomainDataset:

@@ -3,7 +3,10 @@
 A run directory holds ``summary.json``, ``metrics.jsonl`` and ``config.yaml``. Numbers in the
 tables come from ``metrics.jsonl`` under an explicit selection rule (``selection.py``), not from
 the summary alone, so one set of runs can be reported under every rule. Runs are grouped by
-(algorithm label, dataset, target domain(s)) and summarised as mean ± std over seeds; runs of one
+(algorithm label, dataset, target domain(s)) and summarised as mean ± std (or standard error)
+over seeds when there are several; a single seed shows its value alone. Each table row names its
+budget (rounds × local epochs) and the selected rounds, and runs whose configs differ beyond the
+seed are never averaged silently: the report's notes name the keys that differ. Runs of one
 label whose configs differ get the differing settings added to their label (``fedprox (mu=0.1)``).
 
 Malformed input is an error naming the file, because a silently dropped seed would change a
@@ -16,7 +19,9 @@ Plots use matplotlib's object API (``Figure``), which never touches pyplot's glo
 
 from __future__ import annotations
 
+import base64
 import csv
+import html
 import json
 import math
 import re
@@ -26,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from feddomain.config import ExperimentConfig
 from feddomain.errors import ConfigError, DataError
@@ -37,7 +43,14 @@ METRICS = ("ood_acc", "id_acc", "ood_ece")
 METRIC_TITLES = {"ood_acc": "ood accuracy", "id_acc": "id accuracy", "ood_ece": "ood ECE"}
 CSV_COLUMNS = (
     "kind", "algorithm", "dataset", "target", "selection", "seed", "n_seeds", "selected_round",
-    "ood_acc", "ood_acc_std", "id_acc", "id_acc_std", "ood_ece", "ood_ece_std", "path",
+    "rounds", "local_epochs", "ood_acc", "ood_acc_std", "id_acc", "id_acc_std", "ood_ece",
+    "ood_ece_std", "path",
+)  # fmt: skip
+SPREADS = ("std", "se")
+# config keys that do not change what a run computes: runs differing only here are one setting
+NEUTRAL_KEYS = frozenset(
+    {"name", "seed", "threads", "dataset.root", "dataset.cache_dir", "split.targets",
+     "checkpoint.every", "eval.batch_size"}
 )  # fmt: skip
 
 
@@ -53,10 +66,20 @@ class RunResult:
     selected: dict
     records: list[dict]
     summary: dict
+    config: dict = field(default_factory=dict)
 
     @property
     def target(self) -> str:
         return "+".join(self.targets)
+
+    @property
+    def local_epochs(self) -> int:
+        return int(self.config.get("train", {}).get("local_epochs", 1))
+
+    @property
+    def budget(self) -> str:
+        """Training budget: global rounds × local epochs per round."""
+        return f"{self.summary['rounds']}×{self.local_epochs}"
 
 
 @dataclass(frozen=True)
@@ -73,10 +96,18 @@ class Stat:
         std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
         return cls(mean=float(arr.mean()), std=std, n=int(arr.size))
 
-    def cell(self) -> str:
-        """Percentages with one decimal, as in the papers' tables."""
-        text = f"{100 * self.mean:.1f} ± {100 * self.std:.1f}"
-        return text + " (1 seed)" if self.n == 1 else text
+    @property
+    def se(self) -> float:
+        """Standard error of the mean."""
+        return self.std / math.sqrt(self.n)
+
+    def cell(self, spread: str = "std", pm: str = "±") -> str:
+        """Percentages with one decimal, as in the papers' tables; a spread only when there
+        are several seeds (one seed has none to show)."""
+        if self.n == 1:
+            return f"{100 * self.mean:.1f}"
+        value = self.std if spread == "std" else self.se
+        return f"{100 * self.mean:.1f} {pm} {100 * value:.1f}"
 
 
 @dataclass(frozen=True)
@@ -99,43 +130,73 @@ class Report:
     groups: list[GroupResult]
     warnings: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
+    spread: str = "std"
+
+    def title(self) -> str:
+        oracle = self.selection == "oracle"
+        rule = "ORACLE (selects on target-domain data)" if oracle else self.selection
+        return f"feddomain report — model selection: {rule}"
+
+    def _legend(self) -> str:
+        spread = "sample std (ddof = 1)" if self.spread == "std" else "standard error of the mean"
+        return (
+            f"Cells: mean ± {spread} over seeds in %, when a cell has several seeds; one seed "
+            "shows its value alone. avg: unweighted mean over targets, only when every target "
+            "has runs. budget: global rounds × local epochs. round: the selected round(s)."
+        )
 
     def to_markdown(self) -> str:
         """One method x target table per dataset and metric, with an unweighted ``avg`` column."""
-        oracle = self.selection == "oracle"
-        rule = "ORACLE (selects on target-domain data)" if oracle else self.selection
-        lines = [
-            f"# feddomain report — model selection: {rule}",
-            "",
-            "Cells: mean ± std over seeds in %, sample std (ddof = 1); a single seed shows "
-            "± 0.0 (1 seed). avg: unweighted mean over targets, only when every target has runs.",
-        ]
-        for dataset in sorted({g.dataset for g in self.groups}):
+        lines = [f"# {self.title()}", "", self._legend()]
+        for dataset in self.datasets():
             for metric in METRICS:
                 lines += ["", f"## {dataset} — {METRIC_TITLES[metric]} (%)", ""]
-                lines += self._table(dataset, metric)
+                header, *body = self.table_rows(dataset, metric)
+                lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+                lines += ["| " + " | ".join(row) + " |" for row in body]
             lines += self._communication(dataset)
         if self.warnings:
             lines += ["", "## Notes", ""] + [f"- {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
 
-    def _table(self, dataset: str, metric: str) -> list[str]:
+    def to_latex(self) -> str:
+        """The same tables as booktabs ``tabular`` environments, ready to paste."""
+        out = [f"% {self.title()}", f"% {self._legend()}"]
+        for dataset in self.datasets():
+            for metric in METRICS:
+                header, *body = self.table_rows(dataset, metric, pm="$\\pm$")
+                out += [
+                    "",
+                    f"% {dataset} — {METRIC_TITLES[metric]} (%)",
+                    "\\begin{tabular}{l" + "r" * (len(header) - 1) + "}",
+                    "\\toprule",
+                    " & ".join(_tex(c) for c in header) + " \\\\",
+                    "\\midrule",
+                    *(" & ".join(_tex(c) for c in row) + " \\\\" for row in body),
+                    "\\bottomrule",
+                    "\\end{tabular}",
+                ]
+        return "\n".join(out) + "\n"
+
+    def datasets(self) -> list[str]:
+        return sorted({g.dataset for g in self.groups})
+
+    def table_rows(self, dataset: str, metric: str, pm: str = "±") -> list[list[str]]:
+        """Header, then one row per method: its cells per target, avg, seeds, budget, round."""
         groups = {(g.algorithm, g.target): g for g in self.groups if g.dataset == dataset}
         targets = sorted({t for _, t in groups})
-        lines = [
-            "| method | " + " | ".join(targets) + " | avg | seeds |",
-            "|---" * (len(targets) + 3) + "|",
-        ]
+        rows = [["method", *targets, "avg", "seeds", "budget", "round"]]
         for algo in sorted({a for a, _ in groups}):
             cells = [groups.get((algo, t)) for t in targets]
             present = [g for g in cells if g is not None]
             means = [g.stats[metric].mean for g in present]
             avg = f"{100 * sum(means) / len(means):.1f}" if len(present) == len(targets) else "—"
-            seeds = sorted({len(g.runs) for g in present})
-            seed_text = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
-            row = [g.stats[metric].cell() if g else "—" for g in cells]
-            lines.append(f"| {algo} | " + " | ".join(row) + f" | {avg} | {seed_text} |")
-        return lines
+            runs = [r for g in present for r in g.runs]
+            row = [g.stats[metric].cell(self.spread, pm) if g else "—" for g in cells]
+            rows.append([algo, *row, avg, _span(len(g.runs) for g in present),
+                         ", ".join(sorted({r.budget for r in runs})),
+                         _span(r.selected["selected_round"] for r in runs)])  # fmt: skip
+        return rows
 
     def _communication(self, dataset: str) -> list[str]:
         """What crossed the wire per round, by link, direction and kind (the privacy ledger),
@@ -175,6 +236,7 @@ class Report:
         for run in self.runs:
             row = _base_row("run", run.algorithm, run.dataset, run.target, self.selection)
             row.update(seed=run.seed, selected_round=run.selected["selected_round"], path=run.path)
+            row.update(rounds=run.summary["rounds"], local_epochs=run.local_epochs)
             row.update({m: run.selected[m] for m in METRICS})
             rows.append(row)
         for g in self.groups:
@@ -184,6 +246,60 @@ class Report:
                 row[m], row[f"{m}_std"] = g.stats[m].mean, g.stats[m].std
             rows.append(row)
         return rows
+
+
+def _span(values: object) -> str:
+    """'10' for one distinct value, '10-15' for several."""
+    distinct = sorted(set(values))  # type: ignore[call-overload]
+    if not distinct:
+        return "—"
+    return str(distinct[0]) if len(distinct) == 1 else f"{distinct[0]}-{distinct[-1]}"
+
+
+def _tex(text: str) -> str:
+    """A cell in LaTeX: underscores, percent and ampersands escaped, dashes kept."""
+    for char in ("_", "%", "&", "#"):
+        text = text.replace(char, "\\" + char)
+    return text.replace("—", "--").replace("×", "$\\times$")
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and key != "options":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def mixing_warnings(groups: list[GroupResult]) -> list[str]:
+    """Name every config key on which the seeds of one cell differ, and the budgets of the
+    methods in one dataset's table when they differ: averages over unlike runs, and rows
+    compared at unlike budgets, must not pass silently."""
+    notes = []
+    for g in groups:
+        flat = [_flat(r.config) for r in g.runs]
+        keys = sorted({k for f in flat for k in f} - NEUTRAL_KEYS)
+        differ = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+        if differ:
+            shown = "; ".join(
+                f"{k}: " + ", ".join(f"seed {r.seed}={f.get(k)!r}" for r, f in zip(
+                    g.runs, flat, strict=True)) for k in differ[:5]
+            )  # fmt: skip
+            notes.append(
+                f"{g.algorithm} on {g.dataset}/{g.target} averages runs whose configs differ "
+                f"({shown}); give them distinct algorithm.label values to keep them apart"
+            )
+    for dataset in sorted({g.dataset for g in groups}):
+        budgets: dict[str, set[str]] = {}
+        for g in groups:
+            if g.dataset == dataset:
+                budgets.setdefault(g.algorithm, set()).update(r.budget for r in g.runs)
+        if len({b for v in budgets.values() for b in v}) > 1:
+            listed = ", ".join(f"{a} {'/'.join(sorted(b))}" for a, b in sorted(budgets.items()))
+            notes.append(f"{dataset}: methods were trained with different budgets ({listed})")
+    return notes
 
 
 def _links(summary: dict) -> dict[str, dict]:
@@ -287,7 +403,13 @@ def load_run(run_dir: Path, selection: str) -> tuple[RunResult, list[str]]:
             raise DataError(
                 f"{metrics_path}: round {chosen['round']} has no numeric {metric!r} (got {value!r})"
             )
-    run = RunResult(run_dir, algorithm, dataset, targets, seed, chosen, records, summary)
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except yaml.YAMLError as err:
+        raise DataError(f"{run_dir / 'config.yaml'}: not valid YAML ({err})") from err
+    if not isinstance(config, dict):
+        raise DataError(f"{run_dir / 'config.yaml'}: expected a mapping")
+    run = RunResult(run_dir, algorithm, dataset, targets, seed, chosen, records, summary, config)
     return run, _consistency_warnings(run, selection)
 
 
@@ -397,11 +519,17 @@ def _group(runs: list[RunResult]) -> list[GroupResult]:
 
 
 def build_report(
-    dirs: list[Path], *, selection: str = "source_val", out: Path | None = None
+    dirs: list[Path],
+    *,
+    selection: str = "source_val",
+    out: Path | None = None,
+    spread: str = "std",
 ) -> Report:
     """Read every run under ``dirs``; when ``out`` is given write report.md, report.csv, plots."""
     if selection not in RULES:
         raise ConfigError(f"unknown selection rule {selection!r}; choose one of {list(RULES)}")
+    if spread not in SPREADS:
+        raise ConfigError(f"unknown spread {spread!r}; choose one of {list(SPREADS)}")
     finished, unfinished = find_runs([Path(d) for d in dirs])
     if not finished:
         names = ", ".join(str(d) for d in dirs)
@@ -413,7 +541,8 @@ def build_report(
         runs.append(run)
         warnings += notes
     runs = label_by_settings(runs)
-    report = Report(selection, runs, _group(runs), warnings)
+    groups = _group(runs)
+    report = Report(selection, runs, groups, warnings + mixing_warnings(groups), spread=spread)
     if out is not None:
         write_outputs(report, Path(out))
     return report
@@ -433,16 +562,28 @@ def write_outputs(report: Report, out: Path) -> None:
         writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(report.rows())
-    report.files += [md, table]
-    for (dataset, target), groups in _by_target(report.groups).items():
+    tex = out / "report.tex"
+    tex.write_text(report.to_latex())
+    report.files += [md, table, tex]
+    by_target = _by_target(report.groups)
+    for dataset in report.datasets():
+        mine = {t: g for (d, t), g in by_target.items() if d == dataset}
+        report.files += _save(_overview(dataset, mine), out / f"overview_{_slug(dataset)}")
+    for (dataset, target), groups in by_target.items():
         stem = _slug(f"{dataset}_{target}")
-        report.files.append(_plot_curves(groups, out / f"curves_{stem}.png"))
-        for path, plot in (
-            (out / f"reliability_{stem}.png", _plot_reliability),
-            (out / f"confidence_{stem}.png", _plot_confidence),
-        ):
-            if plot(groups, path):
-                report.files.append(path)
+        report.files += _save(_plot_curves(groups), out / f"curves_{stem}")
+        for name, plot in (("reliability", _plot_reliability), ("confidence", _plot_confidence)):
+            fig = plot(groups)
+            if fig is not None:
+                report.files += _save(fig, out / f"{name}_{stem}")
+
+
+def _save(fig: Figure, stem: Path) -> list[Path]:
+    """The figure as PNG (to look at) and PDF (to put in a paper)."""
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
+    for path in paths:
+        fig.savefig(path, dpi=150)
+    return paths
 
 
 def _by_target(groups: list[GroupResult]) -> dict[tuple[str, str], list[GroupResult]]:
@@ -456,26 +597,65 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
 
 
-def _mean_curve(group: GroupResult, metric: str) -> tuple[list[int], list[float]]:
-    """Mean over seeds at the rounds every seed evaluated."""
+def _seed_curves(group: GroupResult, metric: str) -> tuple[list[int], np.ndarray]:
+    """(rounds every seed evaluated, [seeds, rounds] values in %)."""
     per_seed = [{r["round"]: r[metric] for r in run.records if metric in r} for run in group.runs]
     rounds = sorted(set.intersection(*(set(s) for s in per_seed)))
-    return rounds, [float(np.mean([s[r] for s in per_seed])) for r in rounds]
+    return rounds, 100 * np.array([[s[r] for r in rounds] for s in per_seed], dtype=np.float64)
 
 
-def _plot_curves(groups: list[GroupResult], path: Path) -> Path:
+def _draw_curve(ax, group: GroupResult, metric: str, colour: str) -> None:
+    """Mean over seeds, a band from the lowest to the highest seed, and a star at the selected
+    round (the median over seeds)."""
+    rounds, values = _seed_curves(group, metric)
+    seeds = len(group.runs)
+    label = f"{group.algorithm} ({seeds} seed{'s' if seeds > 1 else ''})"
+    ax.plot(rounds, values.mean(axis=0), color=colour, marker=".", label=label)
+    if seeds > 1:
+        ax.fill_between(rounds, values.min(axis=0), values.max(axis=0), color=colour, alpha=0.2)
+    chosen = int(np.median([r.selected["selected_round"] for r in group.runs]))
+    if chosen in rounds:
+        y = values.mean(axis=0)[rounds.index(chosen)]
+        ax.plot([chosen], [y], marker="*", markersize=12, color=colour, markeredgecolor="black")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="round", ylabel=f"{METRIC_TITLES[metric]} (%)")
+    ax.grid(alpha=0.3)
+
+
+def _colours(groups: list[GroupResult]) -> dict[str, str]:
+    names = sorted({g.algorithm for g in groups})
+    return {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+
+def _plot_curves(groups: list[GroupResult]) -> Figure:
     fig = Figure(figsize=(10, 4), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=True)
+    axes = fig.subplots(1, 2)
+    colours = _colours(groups)
     for ax, metric in zip(axes, ("id_acc", "ood_acc"), strict=True):
         for g in groups:
-            rounds, values = _mean_curve(g, metric)
-            ax.plot(rounds, values, marker=".", label=f"{g.algorithm} ({len(g.runs)} seeds)")
-        ax.set(title=METRIC_TITLES[metric], xlabel="round", ylabel="accuracy")
-        ax.grid(alpha=0.3)
+            _draw_curve(ax, g, metric, colours[g.algorithm])
+        ax.set_title(METRIC_TITLES[metric])
     axes[1].legend(fontsize="small")
-    fig.suptitle(f"{groups[0].dataset}, target {groups[0].target} (mean over seeds)")
-    fig.savefig(path, dpi=100)
-    return path
+    fig.suptitle(
+        f"{groups[0].dataset}, unseen target {groups[0].target}: mean over seeds, band from "
+        "lowest to highest seed, ★ selected round"
+    )
+    return fig
+
+
+def _overview(dataset: str, by_target: dict[str, list[GroupResult]]) -> Figure:
+    """One figure per experiment: the ood accuracy curves of every target side by side."""
+    targets = sorted(by_target)
+    fig = Figure(figsize=(4 * len(targets), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(targets), squeeze=False)[0]
+    colours = _colours([g for gs in by_target.values() for g in gs])
+    for ax, target in zip(axes, targets, strict=True):
+        for g in by_target[target]:
+            _draw_curve(ax, g, "ood_acc", colours[g.algorithm])
+        ax.set_title(f"target {target}")
+    axes[-1].legend(fontsize="small")
+    fig.suptitle(f"{dataset}: ood accuracy per unseen target (★ selected round)")
+    return fig
 
 
 def _vector(path: Path, key: str, value: object, size: int | None) -> np.ndarray:
@@ -514,11 +694,17 @@ def pool_reliability(group: GroupResult) -> dict[str, np.ndarray] | None:
     return {"count": count, "conf": conf_sum / safe, "acc": acc_sum / safe}
 
 
-def _plot_reliability(groups: list[GroupResult], path: Path) -> bool:
+def expected_calibration_error(pooled: dict[str, np.ndarray]) -> float:
+    """ECE of pooled reliability bins: the count-weighted mean |accuracy - confidence|."""
+    count = pooled["count"]
+    return float(np.sum(count * np.abs(pooled["acc"] - pooled["conf"])) / max(count.sum(), 1))
+
+
+def _plot_reliability(groups: list[GroupResult]) -> Figure | None:
     pooled = [(g, pool_reliability(g)) for g in groups]
     pooled = [(g, p) for g, p in pooled if p is not None]
     if not pooled:
-        return False
+        return None
     fig = Figure(figsize=(3.2 * len(pooled), 3.4), layout="constrained")
     axes = fig.subplots(1, len(pooled), squeeze=False)[0]
     for ax, (g, p) in zip(axes, pooled, strict=True):
@@ -529,11 +715,15 @@ def _plot_reliability(groups: list[GroupResult], path: Path) -> bool:
         ax.plot(p["conf"][used], p["conf"][used], "r.", label="mean confidence")
         ax.plot([0, 1], [0, 1], "k--", linewidth=0.8)
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", title=g.algorithm)
+        ece = 100 * expected_calibration_error(p)
+        ax.text(0.97, 0.05, f"ECE {ece:.1f}%", ha="right", transform=ax.transAxes)
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize="small", loc="upper left")
-    fig.suptitle(f"ood reliability, {groups[0].dataset} target {groups[0].target} (summary model)")
-    fig.savefig(path, dpi=100)
-    return True
+    fig.suptitle(
+        f"Reliability on unseen target {groups[0].target} ({groups[0].dataset}), "
+        "each run's reported model, seeds pooled"
+    )
+    return fig
 
 
 def pool_confidence_hist(group: GroupResult) -> dict[str, dict[str, np.ndarray]]:
@@ -553,10 +743,10 @@ def pool_confidence_hist(group: GroupResult) -> dict[str, dict[str, np.ndarray]]
     return pooled
 
 
-def _plot_confidence(groups: list[GroupResult], path: Path) -> bool:
+def _plot_confidence(groups: list[GroupResult]) -> Figure | None:
     pooled = [(g, h) for g in groups if (h := pool_confidence_hist(g))]
     if not pooled:
-        return False
+        return None
     splits = sorted({s for _, h in pooled for s in h})
     fig = Figure(figsize=(3.6 * len(splits), 2.8 * len(pooled)), layout="constrained")
     axes = fig.subplots(len(pooled), len(splits), squeeze=False)
@@ -572,6 +762,65 @@ def _plot_confidence(groups: list[GroupResult], path: Path) -> bool:
             ax.set(title=f"{g.algorithm} — {split}", xlim=(0, 1), xlabel="max probability")
     axes[0][0].set_ylabel("density")
     axes[0][0].legend(fontsize="small", loc="upper left")
-    fig.suptitle(f"confidence, {groups[0].dataset} target {groups[0].target} (summary model)")
-    fig.savefig(path, dpi=100)
-    return True
+    fig.suptitle(f"{groups[0].dataset} target {groups[0].target}: confidence, correct vs wrong")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# One self-contained page
+
+STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
+    "color:#222}table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;"
+    "padding:.3em .6em;text-align:right}th:first-child,td:first-child{text-align:left}"
+    "th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 0}"
+)
+
+
+def write_html(report: Report, path: Path) -> Path:
+    """``path``: the report's tables and notes, and every PNG figure already written (embedded
+    as data URIs), in one HTML file that needs nothing beside it."""
+    body = _markdown_to_html(report.to_markdown())
+    for png in (f for f in report.files if f.suffix == ".png"):
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        body.append(
+            f'<figure><img alt="{html.escape(png.stem)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(png.name)}</figcaption></figure>"
+        )
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(report.title())}</title><style>{STYLE}</style></head>"
+        "<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    report.files.append(path)
+    return path
+
+
+def _markdown_to_html(markdown: str) -> list[str]:
+    """The report's own markdown (headings, pipe tables, bullet notes, paragraphs) as HTML."""
+    out: list[str] = []
+    table: list[list[str]] = []
+    for line in [*markdown.splitlines(), ""]:
+        if line.startswith("|"):
+            if not set(line) <= set("|-"):  # the rule under the header
+                table.append([c.strip() for c in line.strip("|").split("|")])
+            continue
+        if table:
+            head, *rows = table
+            out.append(
+                "<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>"
+                + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+                          for r in rows) + "</table>"
+            )  # fmt: skip
+            table = []
+        if line.startswith("## "):
+            out.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("# "):
+            out.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.startswith("- "):
+            out.append(f"<p>• {html.escape(line[2:])}</p>")
+        elif line.strip():
+            out.append(f"<p>{html.escape(line)}</p>")
+    return out

@@ -124,6 +124,7 @@ class Simulation:
         self.rejected: list[dict[str, Any]] = []
         self.links = Links(self.data.stations is not None)  # bytes by link, direction, kind
         self.elapsed = 0.0  # wall time of earlier sessions of this run (resume)
+        self.rounds_written = 0  # round_log entries already in rounds.jsonl
 
     def _init_model(self) -> nn.Module:
         """A fresh model with the run's seeded initialisation (the same for every method)."""
@@ -169,6 +170,7 @@ class Simulation:
                 record["time"]["evaluate"] = time.perf_counter() - t0
                 self.records.append(record)
                 self._append_metrics(record)
+            self._append_rounds()
             if self.progress:
                 self.progress(rnd, record if "id_acc" in record else None)
             every = self.cfg.checkpoint.every
@@ -177,9 +179,6 @@ class Simulation:
         wall = self.elapsed + time.perf_counter() - session_start
         summary = self.summary(wall)
         _write_json_atomic(self.out / "summary.json", summary)
-        (self.out / "rounds.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in self.round_log)
-        )
         checkpoint.remove(self.out)
         return summary
 
@@ -585,6 +584,14 @@ class Simulation:
         }
         return out
 
+    def _append_rounds(self) -> None:
+        """Append the round log's new entries to rounds.jsonl once the round (its evaluation
+        time included) is complete, so the file can be followed while the run goes on."""
+        new = self.round_log[self.rounds_written :]
+        with open(self.out / "rounds.jsonl", "a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in new))
+        self.rounds_written = len(self.round_log)
+
     def _append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.out / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -613,13 +620,16 @@ class Simulation:
         """Load the latest checkpoint if there is one; returns the round to start from."""
         state = checkpoint.load(self.out)
         if state is None:
-            (self.out / "metrics.jsonl").unlink(missing_ok=True)
+            for name in ("metrics.jsonl", "rounds.jsonl"):
+                (self.out / name).unlink(missing_ok=True)
             return 1
         self._load_checkpoint(state)
-        # rewrite metrics.jsonl to what the checkpoint knows: later lines are recomputed
-        tmp = self.out / "metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, self.out / "metrics.jsonl")
+        # rewrite both logs to what the checkpoint knows: later lines are recomputed
+        for name, lines in (("metrics.jsonl", self.records), ("rounds.jsonl", self.round_log)):
+            tmp = self.out / (name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in lines))
+            os.replace(tmp, self.out / name)
+        self.rounds_written = len(self.round_log)
         log.info("resumed %s after round %d", self.out, state["round"])
         return int(state["round"]) + 1
 

@@ -50,16 +50,7 @@ def split_domains_per_client(
     n_clients = check_count("n_clients", n_clients)
     d = check_count("d", d)
     k = len(groups)
-    if d > k:
-        raise ConfigError(
-            f"d={d} domains per client is impossible with {k} source domains "
-            f"(n_clients={n_clients}); d must be <= {k}"
-        )
-    if n_clients * d < k:
-        raise ConfigError(
-            f"n_clients={n_clients} with d={d} gives {n_clients * d} parts for {k} source domains: "
-            "some domain would be left out; need n_clients * d >= number of domains"
-        )
+    check_domain_counts(n_clients, d, k)
     sizes = sizes_of(groups)
     n_parts = parts_per_domain(sizes, n_clients, d)
     too_small = np.flatnonzero(sizes < n_parts)
@@ -85,3 +76,18 @@ def split_domains_per_client(
     clients = [np.sort(np.concatenate([parts[p] for p in bundles[b]])) for b in order]
     check_conserved(groups, clients)
     return clients
+
+
+def check_domain_counts(n_clients: int, d: int, k: int) -> None:
+    """Whether ``n_clients`` clients of ``d`` distinct domains each can cover ``k`` source
+    domains; checked from the config alone, before any data is read."""
+    if d > k:
+        raise ConfigError(
+            f"d={d} domains per client is impossible with {k} source domains "
+            f"(n_clients={n_clients}); d must be <= {k}"
+        )
+    if n_clients * d < k:
+        raise ConfigError(
+            f"n_clients={n_clients} with d={d} gives {n_clients * d} parts for {k} source domains: "
+            "some domain would be left out; need n_clients * d >= number of domains"
+        )

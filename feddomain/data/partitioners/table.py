@@ -119,3 +119,21 @@ def render_tables(
             written.append(write_table_csv(target, table, fed.domains, row_label=level))
             console.print(f"wrote {target}")
     return written
+
+
+def write_partition_csv(path: str | Path, feds: Sequence[PartitionView]) -> Path:
+    """Every split's client x domain (and station x domain) counts in the one file ``path``:
+    columns split, level, index, then one per domain."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["split", "level", "index", *feds[0].domains])
+        for fed in feds:
+            tables = [("client", fed.client_domain_counts)]
+            if fed.stations is not None:
+                tables.append(("station", station_table(fed.client_domain_counts, fed.stations)))
+            for level, table in tables:
+                for i, row in enumerate(np.asarray(table).tolist()):
+                    writer.writerow([fed.split.name, level, i, *row])
+    return path

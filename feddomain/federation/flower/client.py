@@ -67,8 +67,7 @@ class NodeRunner:
     and shared; each message names its client."""
 
     def __init__(self, cfg: ExperimentConfig, split_index: int, site: NodeSite) -> None:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.split_index = split_index
         self.sites = cfg.partition.name == "sites"

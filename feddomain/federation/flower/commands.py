@@ -16,12 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import yaml
 
 from feddomain.config import load_config
-from feddomain.errors import FeddomainError
+from feddomain.errors import FeddomainError, Interrupted
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     local = fsub.add_parser("local", help="a SuperLink and N SuperNodes on this machine")
     local.add_argument("--nodes", type=int, default=3, help="SuperNodes (node i holds client i)")
-    local.add_argument("--workdir", type=Path, default=Path("flower-local"))
+    local.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("flower-local"),
+        help="folder for the processes' logs and the Flower home (default: flower-local)",
+    )
     local.add_argument("--tls-dir", type=Path, help="folder with ca.pem, server.pem, server.key")
     local.add_argument("--cold", action="store_true", help="Flower's own executor (no warm fork)")
     local.add_argument(
@@ -59,15 +65,35 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--resume",
-        action="store_true",
-        help="continue the interrupted run in --out from its checkpoint, with its own config",
+        type=Path,
+        metavar="DIR",
+        help="continue the interrupted run in DIR from its checkpoint, with its own config "
+        "(as `feddomain run --resume DIR`)",
     )
-    run.add_argument("--out", type=Path, required=True, help="run directory (on the SuperLink)")
-    run.add_argument("--superlink", help="connection name in the Flower config (default: its)")
-    run.add_argument("--flwr-home", type=Path, help="Flower home holding that config")
-    run.add_argument("--min-replies", type=int, default=1)
-    run.add_argument("--round-timeout", type=float, default=600.0)
-    run.add_argument("--node-timeout", type=float, default=300.0)
+    run.add_argument("--out", type=Path, help="new run directory (on the SuperLink)")
+    run.add_argument(
+        "--superlink", help="connection name in the Flower config (default: its default)"
+    )
+    run.add_argument(
+        "--flwr-home",
+        type=Path,
+        help="Flower home holding that config, as `feddomain flower local` prints it",
+    )
+    run.add_argument(
+        "--min-replies", type=int, default=1, help="replies a round may close with (default 1)"
+    )
+    run.add_argument(
+        "--round-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a round waits for missing replies once --min-replies came (default 600)",
+    )
+    run.add_argument(
+        "--node-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the SuperNodes holding the clients (default 300)",
+    )
     run.add_argument(
         "--federation-config",
         help="simulation engine settings, e.g. 'num-supernodes=3 client-resources-num-cpus=1'",
@@ -132,25 +158,33 @@ def cmd_run(args: argparse.Namespace) -> None:
     from feddomain.federation.flower.deploy import QUIET_ENV, stage_app
     from feddomain.federation.flower.node_state import STATE_DIR
 
-    out = args.out.expanduser().resolve()
+    resume = args.resume is not None
+    if resume and args.config is not None:
+        raise FeddomainError(
+            "--resume DIR continues the run in DIR with its own config; omit CONFIG"
+        )
+    if resume and args.out is not None and args.out != args.resume:
+        raise FeddomainError("--resume DIR names the run directory; omit --out")
+    if not resume and (args.config is None or args.out is None):
+        raise FeddomainError("feddomain flower run needs CONFIG and --out DIR (or --resume DIR)")
+    out = (args.resume if resume else args.out).expanduser().resolve()
     run_config: dict[str, object] = {
         "out": str(out),
         "min-replies": args.min_replies,
         "round-timeout": args.round_timeout,
         "node-timeout": args.node_timeout,
-        "resume": args.resume,
+        "resume": resume,
         **({STATE_DIR: args.state_dir} if args.state_dir else {}),
     }
-    if args.resume:
-        if args.config is not None:
-            raise FeddomainError(
-                "--resume continues the run in --out with its own config; omit CONFIG"
-            )
-    elif args.config is None:
-        raise FeddomainError("feddomain flower run needs CONFIG (or --resume --out DIR)")
-    else:
+    if not resume:
         cfg = load_config(args.config, args.overrides)  # errors surface before anything is sent
+        if out.exists() and any(out.iterdir()):
+            raise FeddomainError(
+                f"output directory {out} already holds files; choose a new --out, or continue "
+                f"it with --resume {args.out}"
+            )
         run_config["config-yaml"] = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    flwr_home = _federation(args.superlink, args.flwr_home)
     staging = Path(tempfile.mkdtemp(prefix="feddomain-flower-"))
     overrides_file = staging / "run-config.toml"
     overrides_file.write_text(tomli_w.dumps(run_config))
@@ -161,10 +195,11 @@ def cmd_run(args: argparse.Namespace) -> None:
         cmd += ["--federation-config", args.federation_config]
     env = {**os.environ, **QUIET_ENV}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    if args.flwr_home:
-        env["FLWR_HOME"] = str(args.flwr_home.resolve())
+    env["FLWR_HOME"] = str(flwr_home)
+    # `kill` (SIGTERM) stops this command as Ctrl-C does: flwr run is stopped with it
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        run_id = _stream(cmd, env)
+        run_id = _stream(cmd, env, args.superlink)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if run_id is None:
@@ -175,18 +210,73 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise FeddomainError(f"Flower run {run_id} ended as {status}: {details}")
 
 
-def _stream(cmd: list[str], env: dict[str, str]) -> int | None:
-    """Run ``flwr run --stream``, echoing its output; the id of the run it started."""
+def _federation(superlink: str | None, flwr_home: Path | None) -> Path:
+    """The Flower home whose connection ``superlink`` (or its default) names a SuperLink by
+    address. Anything else is refused before ``flwr`` runs: without an address, ``flwr run``
+    starts Flower's local simulation runtime, which installs the App's dependencies (gigabytes
+    of CUDA packages) into the Flower home and leaves a SuperLink and Ray running."""
+    start = (
+        "start a federation with `feddomain flower local --nodes 3 --workdir /tmp/fl` and "
+        "pass the --flwr-home it prints, or name a SuperLink of your Flower config with "
+        "--superlink (docs/deployment.md)"
+    )
+    if flwr_home is None and superlink is None and "FLWR_HOME" not in os.environ:
+        raise FeddomainError(f"no federation named: {start}")
+    home = (flwr_home or Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))).expanduser()
+    config = home / "config.toml"
+    if not config.is_file():
+        raise FeddomainError(f"no Flower config at {config}: {start}")
+    try:
+        links = tomllib.loads(config.read_text()).get("superlink", {})
+    except tomllib.TOMLDecodeError as err:
+        raise FeddomainError(f"{config} is not valid TOML: {err}") from None
+    name = superlink or links.get("default")
+    connection = links.get(name) if isinstance(name, str) else None
+    if not isinstance(connection, dict):
+        names = sorted(k for k, v in links.items() if isinstance(v, dict))
+        raise FeddomainError(f"{config} has no SuperLink connection {name!r} (it has {names})")
+    if "address" not in connection:
+        raise FeddomainError(
+            f"connection {name!r} in {config} has no address: `flwr run` would start Flower's "
+            f"local simulation runtime and install packages; {start}"
+        )
+    return home.resolve()
+
+
+def _stream(cmd: list[str], env: dict[str, str], superlink: str | None) -> int | None:
+    """Run ``flwr run --stream``, echoing its output; the id of the run it started. However
+    this ends (Ctrl-C, SIGTERM, an error), ``flwr run`` is stopped, and a run it started is
+    stopped on the SuperLink when this command is interrupted."""
     run_id = None
-    with subprocess.Popen(
+    proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
+    )
+    try:
         assert proc.stdout is not None
         for line in proc.stdout:
             print(line, end="", flush=True)
             started = re.search(r"Successfully started run (\d+)", line)
             if started:
                 run_id = int(started.group(1))
+        proc.wait()
+    except KeyboardInterrupt:
+        if run_id is None:
+            raise Interrupted("flwr run stopped before it started a run") from None
+        link = [superlink] if superlink else []
+        stop = ["flwr", "stop", str(run_id), *link]
+        subprocess.run(stop, env=env, capture_output=True, timeout=60, check=False)
+        raise Interrupted(
+            f"Flower run {run_id} stopped; with checkpoints, continue it with `feddomain "
+            "flower run --resume DIR`"
+        ) from None
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     return run_id
 
 

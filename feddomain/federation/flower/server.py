@@ -518,8 +518,7 @@ def run_deployment(
             )
         out.mkdir(parents=True, exist_ok=True)
         _write_run_config(out, cfg, run_id)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.torch_threads)
     run_dirs: list[Path] = []
     index, n_splits = 0, 1
     while index < n_splits:
