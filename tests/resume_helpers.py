@@ -18,6 +18,13 @@ import yaml
 from feddomain.cli import main
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that must see Ctrl-C: a shell started in the background (a
+    CI runner's ``&``, ``nohup``) ignores SIGINT, the child inherits that, and Python then
+    leaves it ignored, so a test sending SIGINT would wait for a run that never stops."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(config))
     return path

@@ -19,6 +19,7 @@ import feddomain.cli
 import feddomain.config
 from feddomain.cli import main
 from feddomain.config import default_threads
+from tests.resume_helpers import default_sigint
 
 PROJECT = Path(__file__).resolve().parents[1]
 SMALL = {
@@ -49,6 +50,7 @@ def _start(config: Path, out: Path, tmp_path: Path, *flags: str) -> subprocess.P
             cwd=PROJECT,
             stdout=so,  # the child keeps its own copies of both files
             stderr=se,
+            preexec_fn=default_sigint,
         )
 
 

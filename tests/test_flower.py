@@ -818,16 +818,17 @@ def test_feddomain_flower_run_reports_a_failed_serverapp_instead_of_exit_0(
     insecure_federation: LocalFederation, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`flwr run` exits 0 whatever became of the run; `feddomain flower run` asks the
-    SuperLink and fails with the ServerApp's own error."""
-    taken = insecure_federation.workdir / "taken"
-    taken.mkdir()
-    (taken / "results.txt").write_text("earlier work")
-    argv = ["flower", "run", str(DEMO), *BASE, "--out", str(taken)]
+    SuperLink and fails with the ServerApp's own error. The ServerApp fails when it loads its
+    data: a folder dataset at a missing root passes the config checks `flower run` makes before
+    submitting (a folder's domains are known only once it is scanned)."""
+    missing = insecure_federation.workdir / "no-such-root"
+    overrides = ["dataset.name=folder", f"dataset.root={missing}"]
+    out = insecure_federation.workdir / "failed"
+    argv = ["flower", "run", str(DEMO), *BASE, *overrides, "--out", str(out)]
     argv += ["--flwr-home", str(insecure_federation.flwr_home)]
     assert cli_main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "ended as finished:failed" in err and f"output directory {taken} already holds" in err
-    assert (taken / "results.txt").read_text() == "earlier work"
+    assert "ended as finished:failed" in err and f"data root {missing} does not exist" in err
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import pytest
 
 from feddomain.cli import main
 from feddomain.federation.flower import commands
+from tests.resume_helpers import default_sigint
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEMO = str(PROJECT / "configs" / "demo.yaml")
@@ -127,6 +128,7 @@ def test_an_interrupted_flower_run_leaves_no_process_behind(tmp_path, sig):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env={**os.environ, "HOME": str(tmp_path / "home")},
+            preexec_fn=default_sigint,
         )
         deadline = time.time() + 180
         while not _children(proc.pid) and proc.poll() is None:
