@@ -3,6 +3,7 @@ every run equal to a one-process `feddomain run` of the same settings."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -163,13 +164,31 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait_for_a_finished_and_a_checkpointed_run(out: Path, proc: subprocess.Popen) -> None:
+def _signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _a_finished_and_a_checkpointed_run(out: Path) -> bool:
+    done = list(out.rglob("summary.json"))
+    ckpts = [c for c in out.rglob("checkpoint.pt") if not (c.parent / "summary.json").exists()]
+    return bool(done and ckpts and len(done) < len(RUNS))
+
+
+def _wait_for_a_finished_and_a_checkpointed_run(out: Path, proc: subprocess.Popen) -> set[int]:
+    """Stop the sweep (parent and workers, SIGSTOP) once one run has finished while another
+    has a checkpoint, and return the stopped workers. Stopping first and checking again makes
+    the state the test then reads the state at the kill: on a fast machine a 4-round run can
+    finish between a check and the kill."""
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline:
-        done = list(out.rglob("summary.json"))
-        ckpts = [c for c in out.rglob("checkpoint.pt") if not (c.parent / "summary.json").exists()]
-        if done and ckpts and len(done) < len(RUNS):
-            return
+        if _a_finished_and_a_checkpointed_run(out):
+            workers = _descendants(proc.pid)
+            _signal_all({proc.pid, *workers}, signal.SIGSTOP)
+            if _a_finished_and_a_checkpointed_run(out):
+                return workers
+            _signal_all({proc.pid, *workers}, signal.SIGCONT)
         time.sleep(0.005)
     pytest.fail("the sweep ended before a run was finished while another was checkpointed")
 
@@ -183,10 +202,10 @@ def test_sigkill_of_the_sweep_then_rerun_equals_one_process_runs(config: Path, t
     out = tmp_path / "sweep"
     command = [*FEDDOMAIN, "sweep", str(config), *GRID, "--jobs", "2", "--out", str(out), "--quiet"]
     proc = subprocess.Popen(command, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for_a_finished_and_a_checkpointed_run(out, proc)
-    workers = _descendants(proc.pid)
+    workers = _wait_for_a_finished_and_a_checkpointed_run(out, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    _signal_all(workers, signal.SIGCONT)  # stopped workers must run to notice the parent died
     assert proc.returncode == -signal.SIGKILL
     deadline = time.time() + 10
     while any(_alive(w) for w in workers) and time.time() < deadline:
