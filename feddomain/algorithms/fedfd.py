@@ -1,6 +1,6 @@
 """FedFD (Yang, Choi, Park, Choi, Chang & Yun, "Feature Diversification and Adaptation for
-Federated Domain Generalization", ECCV 2024): federated feature diversification. Specification:
-../shared/papers/fedfda.md (§3; the paper body was unavailable, its CHOICEs are options here).
+Federated Domain Generalization", ECCV 2024): federated feature diversification. Only the
+paper's poster was available; where it leaves a choice open, the choice is an option here.
 
 Rule. Every BatchNorm2d becomes a ``FedFDBatchNorm2d`` (``models/fedfd_bn.py``; the model hook).
 The state is federated SiloBN-style through the engine's layout categories

@@ -1,4 +1,4 @@
-"""FedFD-A (Yang et al., ECCV 2024; ../shared/papers/fedfda.md §3.3-§3.6): FedFD plus the
+"""FedFD-A (Yang et al., ECCV 2024): FedFD plus the
 instance feature adapter, which picks per test sample how far each BatchNorm layer moves from
 the global statistics toward the sample's own.
 
