@@ -102,6 +102,19 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _flwr_children(pid: int) -> list[int]:
+    """Children of ``pid`` that run ``flwr``."""
+    found = []
+    for child in _children(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(Path(arg.decode(errors="replace")).name == "flwr" for arg in argv[:2]):
+            found.append(child)
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -131,11 +144,11 @@ def test_an_interrupted_flower_run_leaves_no_process_behind(tmp_path, sig):
             preexec_fn=default_sigint,
         )
         deadline = time.time() + 180
-        while not _children(proc.pid) and proc.poll() is None:
+        # wait for `flwr run` itself: imports start short-lived children too (e.g. `uname`)
+        while not (flwr := _flwr_children(proc.pid)) and proc.poll() is None:
             assert time.time() < deadline, "flwr run never started"
             time.sleep(0.05)
-        flwr = _children(proc.pid)
-        assert flwr and proc.poll() is None
+        assert flwr and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
