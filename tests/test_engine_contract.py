@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from feddomain.algorithms import METHODS, register
+from feddomain.algorithms.registry import resolve_method
 from feddomain.algorithms.base import Hparams, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.errors import ConfigError
@@ -409,13 +410,28 @@ def test_an_aggregator_composed_with_another_methods_client_is_that_method(tmp_p
          r"'algorithm\.client\.mu': Input should be greater than or equal to 0"),
         ({"name": "fedavg", "client": "central"}, r"central cannot be a client part"),
         ({"name": "fedavg", "client": {"mu": 1}}, r"'algorithm\.client' must be a method name"),
+        ({"name": "hfedavg", "client": "hfedatm"}, r"hfedatm cannot be a client part"),
+        ({"name": "hfedavg", "client": {"name": "fedavg", "server_lr": 0.5}},
+         r"fedavg cannot be a client part"),
     ],
-    ids=["not-an-aggregator", "typo", "negative", "pooled", "no-name"],
+    ids=["not-an-aggregator", "typo", "negative", "pooled", "no-name", "aggregator",
+         "aggregator-with-hparams"],
 )  # fmt: skip
 def test_bad_compositions_are_refused_at_config_time_by_key(algorithm, message):
     """Catches: a composed method's errors surfacing late (at run time) or without the key."""
     with pytest.raises(ConfigError, match=message):
         tiny_config(algorithm=algorithm)
+
+
+@pytest.mark.parametrize("aggregator", ["fedavg", "hfedavg", "hfedatm"])
+def test_fedavg_as_the_client_part_names_the_aggregators_own_plain_clients(aggregator):
+    """Catches: `algorithm.client: fedavg` (what a user writes for plain local training under
+    an aggregator, e.g. in a sweep over client methods) refused as an aggregator, or resolved to
+    something other than the aggregator without a client key (HFedATM's Gram capture lost)."""
+    plain = resolve_method(aggregator, {})
+    named = resolve_method(aggregator, {"client": "fedavg"})
+    assert (named.spec, named.client_spec, named.hp) == (plain.spec, plain.client_spec, plain.hp)
+    assert named.client_spec is plain.spec and named.name == aggregator
 
 
 def test_a_composed_method_declares_its_clients_uploads(tmp_path):

@@ -54,6 +54,8 @@ def resolve_method(name: str, values: dict[str, Any]) -> Method:
         )
     client = dict(client)
     client_spec = get_method(str(client.pop("name")))
+    if _is_plain_client_of(spec, client_spec) and not client:
+        return Method(spec, hp, spec, hp)  # `client: fedavg`: the aggregator's own plain clients
     if client_spec.pooled or client_spec.takes_client:
         raise ConfigError(
             f"'algorithm.client.name': {client_spec.name} cannot be a client part "
@@ -61,6 +63,17 @@ def resolve_method(name: str, values: dict[str, Any]) -> Method:
         )
     client_hp = _validated(client_spec, client, "algorithm.client")
     return Method(spec, hp, client_spec, client_hp)
+
+
+def _is_plain_client_of(spec: MethodSpec, client_spec: MethodSpec) -> bool:
+    """Whether naming ``client_spec`` as the client part means ``spec``'s own clients: an
+    aggregator with no layers of its own (FedAvg) whose client part is ``spec``'s."""
+    return (
+        client_spec.takes_client
+        and client_spec.client is spec.client
+        and client_spec.client_wrapper is None
+        and client_spec.station_wrapper is None
+    )
 
 
 def algorithm_hparams(name: str, values: dict[str, Any]) -> Hparams:
