@@ -27,7 +27,8 @@ Diagnostics (§5, §8 M1/M4), one record per round, logged with the next evaluat
 (``diagnostics.merge`` in metrics.jsonl): the identity fraction of the matches and the matched
 against the identity cost summed over groups and stations, per dense layer J(RegMean)/J(mean)
 (≤ 1) and the count of Cholesky → least-squares fallbacks. The server's wall-clock time
-(``server_merge``, and its ``server_fot`` / ``server_regmean`` parts) is in every round's phase
+(``server_merge``, and its ``server_grams`` (checking the station Grams), ``server_fot`` and
+``server_regmean`` parts) is in every round's phase
 times in rounds.jsonl, beside the round's ``train`` and ``aggregate`` times (A15).
 """
 
@@ -261,7 +262,9 @@ class HFedAvgServer(ServerAlgorithm):
         order = sorted(payloads)
         gammas = [self._gamma(payloads[u]) for u in order]
         models = [{k: payloads[u].arrays[k] for k in self.global_arrays} for u in order]
+        t_grams = time.perf_counter()
         grams = [self._grams(u, payloads[u]) for u in order]
+        self.times["grams"] = time.perf_counter() - t_grams
         record: dict[str, Any] = {"round": rnd}
         self.global_arrays = self.merge(models, grams, gammas, record)
         self.times["merge"] = time.perf_counter() - t0
