@@ -6,7 +6,7 @@ client count (unequal) and, for HFedATM, one shrunk input Gram per dense layer (
 matrix of the layer's input width; a diagonal above ``regmean_max_dim``). The parts are the
 server's own `timings()`: `grams` (checking the payloads' Grams), `fot` (filter-wise optimal
 transport alignment of every station to the reference one), `regmean` (the float64 RegMean
-solve of every dense layer) and the rest of `merge` (the γ-weighted mean of every other array).
+solve of every dense layer) and the rest (the γ-weighted mean of every other array).
 Calls alternate between the two servers; medians of the repeats; one thread. Run:
 
     python benchmarks/hfedatm_merge.py                          # LeNet-5 and ResNet-18, 10 stations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -30,12 +31,17 @@ from feddomain.merging.gram import gram_shapes
 from feddomain.models import build_model
 
 RESOLUTION = {"lenet5": 32, "resnet18": 64}  # only the dense layers' widths depend on it
+PARTS = ("total", "grams", "fot", "regmean", "rest")  # HFedATM's merge and its parts
+
+
+def seeded_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(name, 7, resolution=RESOLUTION[name])
 
 
 def station_payloads(name: str, stations: int, max_dim: int, seed: int = 0) -> list[Message]:
     """``stations`` payloads as a station's uplink holds them: weights, Grams, γ_e."""
-    torch.manual_seed(seed)
-    model = build_model(name, 7, resolution=RESOLUTION[name])
+    model = seeded_model(name)
     base = get_arrays(model)
     g = torch.Generator().manual_seed(seed + 1)
     payloads = []
@@ -62,16 +68,10 @@ def main() -> None:
           "| rest | HFedATM / +Avg |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
-        servers = {}
-        for method in ("hfedavg", "hfedatm"):
-            resolved = resolve_method(method, {})
-
-            def factory(name=name):
-                torch.manual_seed(0)
-                return build_model(name, 7, resolution=RESOLUTION[name])
-
-            ctx = ServerContext(factory, args.stations * 10, 0, 100, stations=args.stations)
-            servers[method] = resolved.make_server(ctx)
+        ctx = ServerContext(
+            partial(seeded_model, name), args.stations * 10, 0, 100, stations=args.stations
+        )
+        servers = {m: resolve_method(m, {}).make_server(ctx) for m in ("hfedavg", "hfedatm")}
         max_dim = servers["hfedatm"].hp.regmean_max_dim
         payloads = station_payloads(name, args.stations, max_dim)
         times: dict[str, list[dict[str, float]]] = {m: [] for m in servers}
@@ -79,16 +79,16 @@ def main() -> None:
             for method, server in servers.items():
                 t0 = time.perf_counter()
                 server.aggregate(rnd, iter(enumerate(payloads)))
-                times[method].append({**server.timings(), "total": time.perf_counter() - t0})
+                parts = {**server.timings(), "total": time.perf_counter() - t0}
+                parts["rest"] = parts["total"] - sum(
+                    parts.get(k, 0.0) for k in ("grams", "fot", "regmean")
+                )
+                times[method].append(parts)
 
-        def med(method: str, part: str) -> float:
-            return statistics.median(t.get(part, 0.0) for t in times[method])
-
-        atm = {part: med("hfedatm", part) for part in ("total", "grams", "fot", "regmean")}
-        rest = atm["total"] - atm["grams"] - atm["fot"] - atm["regmean"]
-        avg = med("hfedavg", "total")
-        print(f"| {name} | {args.stations} | {avg:.3f} | {atm['total']:.3f} | {atm['grams']:.3f} "
-              f"| {atm['fot']:.3f} | {atm['regmean']:.3f} | {rest:.3f} | {atm['total'] / avg:.0f}x |")
+        avg = statistics.median(t["total"] for t in times["hfedavg"])
+        atm = {p: statistics.median(t.get(p, 0.0) for t in times["hfedatm"]) for p in PARTS}
+        cells = " | ".join(f"{atm[p]:.3f}" for p in PARTS)
+        print(f"| {name} | {args.stations} | {avg:.3f} | {cells} | {atm['total'] / avg:.0f}x |")
 
 
 if __name__ == "__main__":
