@@ -146,6 +146,8 @@ def _type(field: FieldInfo) -> str:
 
 def _annotation(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # e.g. Annotated[int, Field(ge=1)]: the plain type
+        return _annotation(args[0])
     if origin is typing.Literal:
         return " or ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -154,7 +156,8 @@ def _annotation(annotation: Any) -> str:
         return "null"
     if origin in (list, tuple):
         inner = sorted({_annotation(a) for a in args if a is not Ellipsis})
-        return f"list of {' or '.join(inner)}" + (f" ({len(args)})" if origin is tuple else "")
+        fixed = origin is tuple and Ellipsis not in args  # tuple[int, ...] has any length
+        return f"list of {' or '.join(inner)}" + (f" ({len(args)})" if fixed else "")
     if origin is dict:
         return "mapping"
     return getattr(annotation, "__name__", str(annotation))

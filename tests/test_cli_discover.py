@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,57 @@ def test_config_reference_is_current_and_documents_every_key():
         assert f"### `{name}`" in text
         for key in spec.hparams.model_fields:
             assert f"| `algorithm.{key}` |" in text.split(f"### `{name}`")[1].split("###")[0]
+
+
+# TODO(issue 17 item 5): hfedf's and pfedhn's hyper-parameters get their meanings in another
+# branch (feddomain/algorithms/hfedf.py, pfedhn.py); remove this exemption once it is merged.
+PENDING_MEANINGS = ("feddomain.algorithms.hfedf", "feddomain.algorithms.pfedhn")
+
+
+def _meanings(text: str) -> dict[str, dict[str, str]]:
+    """The reference's table rows by section: {section heading: {key: meaning}}."""
+    sections: dict[str, dict[str, str]] = {}
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            rows = sections.setdefault(line.lstrip("# ").strip(), {})
+        elif line.startswith("| `"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows[cells[0].strip("`")] = cells[3]
+    return sections
+
+
+def test_config_reference_gives_every_key_and_hyper_parameter_a_meaning():
+    """Catches a config key or a method hyper-parameter added without a meaning (an attribute
+    docstring right after the field): its row in docs/config.md would have an empty last
+    column, and a user could not tell what it does."""
+    sections = _meanings(catalog.config_reference())
+    config_rows = {
+        key: meaning
+        for section, rows in sections.items()
+        if section.strip("`") not in METHODS
+        for key, meaning in rows.items()
+    }
+    empty = []
+
+    def walk(model: type, prefix: str) -> None:
+        for key, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+                walk(field.annotation, f"{prefix}{key}.")
+            elif not config_rows.get(f"{prefix}{key}"):
+                empty.append(f"{prefix}{key}")
+
+    walk(ExperimentConfig, "")
+    for name, spec in METHODS.items():
+        if spec.hparams.__module__ in PENDING_MEANINGS:
+            continue
+        rows = sections[f"`{name}`"]
+        empty += [
+            f"{name}: algorithm.{k}"
+            for k in spec.hparams.model_fields
+            if not rows.get(f"algorithm.{k}")
+        ]
+    assert empty == []
 
 
 def test_data_export_says_which_split_it_wrote_and_how_to_get_the_others(tmp_path, capsys):
