@@ -81,7 +81,7 @@ def config_reference() -> str:
         "# Configuration reference",
         "",
         "<!-- Generated from the schemas by `python -m feddomain.catalog > docs/config.md`; "
-        "tests/test_catalog.py fails when it is out of date. Do not edit by hand. -->",
+        "tests/test_cli_discover.py fails when it is out of date. Do not edit by hand. -->",
         "",
         "A config is YAML; any key can be overridden on the command line with a dotted path, "
         "e.g. `feddomain run configs/demo.yaml rounds=20 train.lr=0.01 split.targets=sketch`. "

@@ -161,6 +161,30 @@ def test_config_reference_gives_every_key_and_hyper_parameter_a_meaning():
     assert empty == []
 
 
+RECORDS = ("docs/results.md", "docs/performance.md")  # experiment records: free to cite sources
+
+
+def test_user_docs_and_config_comments_point_only_at_files_users_have():
+    """Catches a shipped config or a user doc that sends the reader to a file outside the project
+    (`../shared/...`, a method spec such as `hfedatm.md §2.6`): a user has only the repository,
+    so the pointer must be a shipped file or a paper citation."""
+    texts = [*(PROJECT / "configs").rglob("*.yaml"), PROJECT / "README.md"]
+    texts += [
+        p for p in (PROJECT / "docs").glob("*.md") if str(p.relative_to(PROJECT)) not in RECORDS
+    ]
+    dangling = []
+    for path in texts:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(PROJECT)}:{n}"
+            if "../shared" in line:
+                dangling.append(f"{where}: ../shared")
+            for name in re.findall(r"[\w./-]*\w\.md\b", line):
+                shipped = (PROJECT / name).exists() or (PROJECT / "docs" / name).exists()
+                if not shipped and name != "report.md":  # report.md: a run's own output
+                    dangling.append(f"{where}: {name}")
+    assert dangling == []
+
+
 def test_data_export_says_which_split_it_wrote_and_how_to_get_the_others(tmp_path, capsys):
     """Catches `data export` of a config with several splits silently writing only the first
     (a user would deploy one target believing they had them all)."""
