@@ -81,7 +81,7 @@ def config_reference() -> str:
         "# Configuration reference",
         "",
         "<!-- Generated from the schemas by `python -m feddomain.catalog > docs/config.md`; "
-        "tests/test_catalog.py fails when it is out of date. Do not edit by hand. -->",
+        "tests/test_cli_discover.py fails when it is out of date. Do not edit by hand. -->",
         "",
         "A config is YAML; any key can be overridden on the command line with a dotted path, "
         "e.g. `feddomain run configs/demo.yaml rounds=20 train.lr=0.01 split.targets=sketch`. "
@@ -146,6 +146,8 @@ def _type(field: FieldInfo) -> str:
 
 def _annotation(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # e.g. Annotated[int, Field(ge=1)]: the plain type
+        return _annotation(args[0])
     if origin is typing.Literal:
         return " or ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -154,7 +156,8 @@ def _annotation(annotation: Any) -> str:
         return "null"
     if origin in (list, tuple):
         inner = sorted({_annotation(a) for a in args if a is not Ellipsis})
-        return f"list of {' or '.join(inner)}" + (f" ({len(args)})" if origin is tuple else "")
+        fixed = origin is tuple and Ellipsis not in args  # tuple[int, ...] has any length
+        return f"list of {' or '.join(inner)}" + (f" ({len(args)})" if fixed else "")
     if origin is dict:
         return "mapping"
     return getattr(annotation, "__name__", str(annotation))

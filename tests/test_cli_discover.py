@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,81 @@ def test_config_reference_is_current_and_documents_every_key():
         assert f"### `{name}`" in text
         for key in spec.hparams.model_fields:
             assert f"| `algorithm.{key}` |" in text.split(f"### `{name}`")[1].split("###")[0]
+
+
+# TODO(issue 17 item 5): hfedf's and pfedhn's hyper-parameters get their meanings in another
+# branch (feddomain/algorithms/hfedf.py, pfedhn.py); remove this exemption once it is merged.
+PENDING_MEANINGS = ("feddomain.algorithms.hfedf", "feddomain.algorithms.pfedhn")
+
+
+def _meanings(text: str) -> dict[str, dict[str, str]]:
+    """The reference's table rows by section: {section heading: {key: meaning}}."""
+    sections: dict[str, dict[str, str]] = {}
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            rows = sections.setdefault(line.lstrip("# ").strip(), {})
+        elif line.startswith("| `"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows[cells[0].strip("`")] = cells[3]
+    return sections
+
+
+def test_config_reference_gives_every_key_and_hyper_parameter_a_meaning():
+    """Catches a config key or a method hyper-parameter added without a meaning (an attribute
+    docstring right after the field): its row in docs/config.md would have an empty last
+    column, and a user could not tell what it does."""
+    sections = _meanings(catalog.config_reference())
+    config_rows = {
+        key: meaning
+        for section, rows in sections.items()
+        if section.strip("`") not in METHODS
+        for key, meaning in rows.items()
+    }
+    empty = []
+
+    def walk(model: type, prefix: str) -> None:
+        for key, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+                walk(field.annotation, f"{prefix}{key}.")
+            elif not config_rows.get(f"{prefix}{key}"):
+                empty.append(f"{prefix}{key}")
+
+    walk(ExperimentConfig, "")
+    for name, spec in METHODS.items():
+        if spec.hparams.__module__ in PENDING_MEANINGS:
+            continue
+        rows = sections[f"`{name}`"]
+        empty += [
+            f"{name}: algorithm.{k}"
+            for k in spec.hparams.model_fields
+            if not rows.get(f"algorithm.{k}")
+        ]
+    assert empty == []
+
+
+RECORDS = ("docs/results.md", "docs/performance.md")  # experiment records: free to cite sources
+
+
+def test_user_docs_and_config_comments_point_only_at_files_users_have():
+    """Catches a shipped config or a user doc that sends the reader to a file outside the project
+    (`../shared/...`, a method spec such as `hfedatm.md §2.6`): a user has only the repository,
+    so the pointer must be a shipped file or a paper citation."""
+    texts = [*(PROJECT / "configs").rglob("*.yaml"), PROJECT / "README.md"]
+    texts += [
+        p for p in (PROJECT / "docs").glob("*.md") if str(p.relative_to(PROJECT)) not in RECORDS
+    ]
+    dangling = []
+    for path in texts:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(PROJECT)}:{n}"
+            if "../shared" in line:
+                dangling.append(f"{where}: ../shared")
+            for name in re.findall(r"[\w./-]*\w\.md\b", line):
+                shipped = (PROJECT / name).exists() or (PROJECT / "docs" / name).exists()
+                if not shipped and name != "report.md":  # report.md: a run's own output
+                    dangling.append(f"{where}: {name}")
+    assert dangling == []
 
 
 def test_data_export_says_which_split_it_wrote_and_how_to_get_the_others(tmp_path, capsys):

@@ -28,7 +28,11 @@ from feddomain.federation.training import LossFn, cross_entropy_loss, get_arrays
 
 
 class FedAvgHparams(Hparams):
+    """FedAvg's hyper-parameter: the server step."""
+
     server_lr: float = Field(1.0, gt=0.0)
+    """η_s: server step size, `w ← w + η_s·(weighted mean of the client models − w)`; 1: plain
+    averaging."""
 
 
 class FedAvgServer(ServerAlgorithm):

@@ -64,14 +64,20 @@ from feddomain.federation.training import get_arrays, set_arrays
 
 
 class FedDGGAHparams(FedAvgHparams):
-    """``d0``: the initial step size d₀ in [0, 1] (0: FedAvg); ``initial_weights``: FedAvg's
-    sample counts or the official uniform 1/K; ``gap_split``: the data both losses are measured
-    on; ``local_loss``: the trained model's measured loss or the mean training loss."""
+    """FedDG-GA's hyper-parameters: FedAvg's server step and the generalisation adjustment."""
 
     d0: float = Field(1 / 3, ge=0.0, le=1.0)
+    """d₀: initial step size of the generalisation adjustment, decayed linearly over the rounds
+    (d_r = (1 − (r − 1)/R)·d₀); 0 is FedAvg (with `initial_weights: samples`)."""
     initial_weights: Literal["samples", "uniform"] = "samples"
+    """Starting aggregation weights: `samples` (FedAvg's training-set sizes) or `uniform` (1/K,
+    the official code's)."""
     gap_split: Literal["train", "val"] = "train"
+    """Data each client measures both losses of its generalisation gap on: its `train` split or
+    its `val` split (needs `split.val_fraction` > 0; the official code's)."""
     local_loss: Literal["evaluated", "training"] = "evaluated"
+    """The gap's local loss: `evaluated` (the trained model's loss, measured like the global
+    one, one extra pass) or `training` (the mean loss of the local epochs, free)."""
 
 
 def ga_weights(weights: list[float], gaps: list[float], step: float) -> tuple[list[float], bool]:

@@ -89,16 +89,33 @@ GLOBAL_STATISTICS = {"global_mean": "running_mean", "global_var": "running_var"}
 
 
 class FedFDHparams(Hparams):
-    """§3.7's CHOICEs as options (module docstring)."""
+    """FedFD's hyper-parameters; the spec's open choices (F1-F3) are options."""
 
-    local_stats: Literal["instance", "batch"] = "instance"  # F1
-    u: float | None = Field(None, ge=0.0, le=1.0)  # None: u ~ U(0,1) per layer per forward
-    u_per_sample: bool = False  # F2
-    lambda_feature: float = Field(1.0, ge=0.0)  # F3: CAFL weight
-    lambda_classifier: float = Field(1.0, ge=0.0)  # F3: CACL weight
+    local_stats: Literal["instance", "batch"] = "instance"
+    """Local statistics the diversified path mixes with the global ones: each sample's
+    `instance` statistics or the `batch`'s (the paper's poster leaves this open)."""
+    u: float | None = Field(None, ge=0.0, le=1.0)
+    """u: weight of the local statistics in the diversified path's mix (0: global only, 1: local
+    only); null: drawn u ~ U(0, 1) per layer and forward pass (the method)."""
+    u_per_sample: bool = False
+    """With `u: null`, each layer draws one u per sample instead of one shared by the batch."""
+    lambda_feature: float = Field(1.0, ge=0.0)
+    """λ_F: weight of the client-agnostic feature loss (CAFL, mean squared distance between the
+    ordinary and the diversified features); 0: off."""
+    lambda_classifier: float = Field(1.0, ge=0.0)
+    """λ_C: weight of the client-agnostic classifier loss (CACL, cross-entropy of the
+    diversified features); 0: off."""
     test_mode: Literal["global", "local", "instance", "fixed", "random"] = "global"
-    test_alpha: float = Field(0.5, ge=0.0, le=1.0)  # a of test_mode "fixed"
-    warmup: bool = False  # a statistics pass before round 1 (§3.5, from-scratch profile)
+    """BatchNorm statistics at evaluation: `global` (FedFD's inference), `local` (each client's
+    own; the unseen domain gets their sample-weighted mean, SiloBN's), `instance` (the test
+    sample's), `fixed` (mix with weight `test_alpha`) or `random` (weight ~ U(0, 1) per layer
+    and sample)."""
+    test_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the test sample's instance statistics against the global ones under
+    `test_mode: fixed`."""
+    warmup: bool = False
+    """Before round 1, set the global statistics from one pass of every client's data (no
+    gradient step) instead of the initial model's (for a model trained from scratch)."""
 
     @field_validator("u_per_sample")
     @classmethod

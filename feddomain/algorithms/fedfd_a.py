@@ -60,10 +60,19 @@ ADAPTER = BNMode("adapter")
 
 
 class FedFDAHparams(FedFDHparams):
+    """FedFD's hyper-parameters plus the instance feature adapter's (CHOICEs F4, F6)."""
+
     test_mode: Literal["adapter", "global", "local", "instance", "fixed", "random"] = "adapter"
-    adapter_reduction: int = Field(16, ge=1)  # F4: hidden width C // r (at least 1)
-    adapter_lr_mult: float = Field(10.0, gt=0.0)  # F6: adapter lr = this × the round's lr
-    adapter_momentum: float = Field(0.9, ge=0.0, lt=1.0)  # F6
+    """BatchNorm statistics at evaluation: `adapter` (FedFD-A's inference: each layer's adapter
+    picks the mix per test sample), or one of FedFD's test modes (`global`, `local`,
+    `instance`, `fixed`, `random`)."""
+    adapter_reduction: int = Field(16, ge=1)
+    """r: the adapter's hidden width is C // r (at least 1) for a layer of C channels."""
+    adapter_lr_mult: float = Field(10.0, gt=0.0)
+    """The adapters' learning rate as a multiple of this round's `train.lr` (after
+    `train.schedule`)."""
+    adapter_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of the adapters' own SGD optimiser (no weight decay); 0: plain SGD."""
 
 
 def fedfd_a_model(model: nn.Module, hp: Hparams) -> nn.Module:

@@ -49,10 +49,14 @@ from feddomain.federation.messages import Message, flatten, unflatten, weighted_
 
 
 class FedGMAHparams(FedAvgHparams):
-    """``tau``: the sign-agreement threshold τ in [0, 1] above which a coordinate's update is
-    kept whole; ``server_lr``: the server step size η_s > 0 (FedAvg's key)."""
+    """FedGMA's hyper-parameters: FedAvg's server step and the sign-agreement threshold."""
 
+    server_lr: float = Field(1.0, gt=0.0)
+    """η_s: server step size, `w ← w + η_s·m ⊙ (weighted mean of the client models − w)` with m
+    the sign-agreement mask (see `tau`)."""
     tau: float = Field(0.4, ge=0.0, le=1.0)
+    """τ: sign-agreement threshold; a coordinate whose agreement A = |Σ_k sign(Δ_k)|/K is ≥ τ
+    keeps its whole update, one below it is scaled by A; 0 is FedAvg."""
 
 
 class FedGMAServer(FedAvgServer):

@@ -68,10 +68,22 @@ GRAD_MEAN = "grad_mean"  # ḡ, sent down with the model
 
 
 class FedIIRHparams(FedAvgHparams):
-    gamma: float = Field(1e-3, ge=0.0)  # penalty weight (hfedatm.md §4, FL-bench default)
-    ema: float = Field(0.95, ge=0.0, le=1.0)  # β: weight of the previous ḡ
+    """FedIIR's hyper-parameters: FedAvg's server step and the gradient-alignment penalty
+    (default γ: hfedatm.md §4, FL-bench's)."""
+
+    gamma: float = Field(1e-3, ge=0.0)
+    """γ: weight of the penalty Σ ‖∇_cls CE − ḡ‖² pulling each batch's classifier gradient to
+    the federation's mean ḡ; 0 is FedAvg."""
+    ema: float = Field(0.95, ge=0.0, le=1.0)
+    """β: EMA weight of the previous ḡ, `ḡ ← β·ḡ + (1 − β)·(this round's mean gradient)`; 0:
+    this round's mean only."""
     grad_mean: Literal["batches", "clients"] = "batches"
+    """How the round's mean classifier gradient is taken: over all mini-batches of all
+    participants (`batches`, the official code's) or as the equal-weight mean of each client's
+    mean (`clients`)."""
     hierarchical: Literal["station", "server"] = "station"
+    """With stations, who keeps ḡ: each `station` over its own clients, recomputed every station
+    round, or the `server` over all participants, once per global round."""
 
 
 def _require_split(model: nn.Module, hp: Hparams) -> nn.Module:

@@ -19,7 +19,11 @@ from feddomain.federation.messages import Message
 
 
 class FedProxHparams(FedAvgHparams):
+    """FedProx's hyper-parameters: FedAvg's server step and the proximal weight."""
+
     mu: float = Field(0.01, ge=0.0)
+    """μ: weight of the proximal term (μ/2)·‖w − w_global‖² added to every local batch's loss;
+    0 is FedAvg."""
 
 
 class FedProxClient(FedAvgClient):

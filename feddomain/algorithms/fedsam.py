@@ -44,9 +44,11 @@ from feddomain.federation.training import LossFn, cross_entropy_loss
 
 
 class FedSAMHparams(FedAvgHparams):
-    """``rho``: the SAM neighbourhood radius ρ ≥ 0 (0: FedAvg)."""
+    """FedSAM's hyper-parameters: FedAvg's server step and SAM's radius."""
 
     rho: float = Field(0.05, ge=0.0)
+    """ρ: SAM's neighbourhood radius; each step takes the gradient at w + ρ·g/‖g‖₂ (the norm
+    over all trained parameters); 0 is FedAvg."""
 
 
 def sam_loss(loss_fn: LossFn, rho: float) -> LossFn:

@@ -66,14 +66,32 @@ EVAL_SEED = 0  # the eval-mode noise stream of ``eval_z: sample`` restarts here 
 
 
 class FedSRHparams(FedAvgHparams):
-    z_dim: int | None = Field(None, ge=1)  # None: the model's feature width
-    alpha_l2r: float = Field(1e-2, ge=0.0)  # FL-bench default (hfedf.md Table 10: 0.1 on PACS)
-    alpha_cmi: float = Field(5e-4, ge=0.0)  # FL-bench default (FISC's code: 1e-3)
+    """FedSR's hyper-parameters: FedAvg's server step, the representation and its regularisers
+    (defaults FL-bench's; hfedf.md Table 10 has α_L2R = 0.1 on PACS, FISC's code α_CMI = 1e-3)."""
+
+    z_dim: int | None = Field(None, ge=1)
+    """Dimension of the representation z; null: the model's feature width."""
+    alpha_l2r: float = Field(1e-2, ge=0.0)
+    """α_L2R: weight of the L2 representation regulariser (the batch mean of ‖z‖₂, see `l2r`);
+    0: off."""
+    alpha_cmi: float = Field(5e-4, ge=0.0)
+    """α_CMI: weight of the conditional mutual information regulariser (KL from p(z|x) to the
+    learned class-conditional prior r(z|y)); 0: off."""
     l2r: Literal["norm", "squared"] = "norm"
+    """L2R's form: `norm` (mean ‖z‖₂, the authors' code) or `squared` (mean ‖z‖₂², the paper's
+    E‖z‖²)."""
     kl: Literal["scaled", "plain"] = "scaled"
+    """CMI's KL: `scaled` (the authors' code: p(z|x)'s mean and scale multiplied by a learned
+    scalar C) or `plain` (no C)."""
     head: Literal["auto", "append", "replace"] = "auto"
-    sample: bool = True  # z = μ + σ·ε in training (False: z = μ, a deterministic ablation)
+    """Where the (μ, σ) layer goes: `append` a Linear(features → 2·z_dim) after the featurizer,
+    `replace` the featurizer's last Linear, or `auto` (replace when it ends with a Linear)."""
+    sample: bool = True
+    """Train on a sampled z = μ + σ·ε (reparameterised); false: z = μ (a deterministic
+    ablation)."""
     eval_z: Literal["mean", "sample"] = "mean"
+    """z at evaluation: `mean` (z = μ) or `sample` (one seeded draw per image, deterministic
+    across evaluations)."""
 
 
 class FedSRModel(FeatureClassifier):

@@ -85,20 +85,49 @@ class HFedAvgHparams(Hparams):
 
 
 class HFedATMHparams(Hparams):
-    fot: bool = True  # filter-wise OT alignment (False: Table 4's "w/o FOT")
-    regmean: bool = True  # RegMean for dense layers (False: "w/o RegMean", no Grams)
+    """HFedATM's hyper-parameters: the two merge steps (FOT, RegMean), their numerics, and
+    optional differential-privacy noise on the clients' Grams."""
+
+    fot: bool = True
+    """Align every station's conv filters to the reference station's by filter-wise optimal
+    transport (FOT) before merging; false: the paper's "w/o FOT" ablation (Table 4)."""
+    regmean: bool = True
+    """Merge every dense layer by shrinkage-aware RegMean on the clients' input Grams; false: the
+    γ-weighted mean, no Grams captured (the paper's "w/o RegMean", Table 4)."""
     fot_mode: Literal["graph", "literal"] = "graph"
+    """`graph`: permute each filter group on both sides (next layers, BatchNorm, Grams) so the
+    aligned model computes the same function; `literal`: permute each conv's output filters
+    alone, as the paper's text and code (not function-preserving; an ablation)."""
     fot_solver: Literal["sinkhorn", "exact"] = "sinkhorn"
+    """How a cost matrix becomes a permutation: `sinkhorn` (entropic OT, then rounded to the
+    permutation of largest plan mass; the paper's) or `exact` (linear assignment on the cost)."""
     sinkhorn_reg: float = Field(0.05, gt=0.0)
+    """ε: entropic regulariser of the Sinkhorn solver (`fot_solver: sinkhorn`)."""
     sinkhorn_iterations: int = Field(25, ge=1)
+    """Sinkhorn iterations, all run (no early stop)."""
     fot_reference: Literal["first", "largest"] = "first"
-    alpha: float = Field(0.75, ge=0.0, le=1.0)  # Ĝ = α G + (1 − α) diag G
-    ridge: float = Field(1e-6, ge=0.0)  # λ = ridge · tr(A) / d, towards the plain average
-    regmean_weighting: Literal["none", "gamma"] = "none"  # c_e = 1 (Eq. 12) or γ_e
-    regmean_max_dim: int = Field(4096, ge=1)  # wider inputs: diagonal Grams only
-    dp_epsilon: float | None = Field(None, gt=0.0)  # None: no DP noise on Grams
+    """Station the others are aligned to: the `first` participating one (the paper's station 1)
+    or the one with the most active clients (`largest`; ties: the first)."""
+    alpha: float = Field(0.75, ge=0.0, le=1.0)
+    """α: RegMean shrinkage, each station's Gram Ĝ = α·G + (1 − α)·diag(G); 1: classic RegMean,
+    0: diagonal only."""
+    ridge: float = Field(1e-6, ge=0.0)
+    """Relative ridge of the RegMean solve, λ = ridge·tr(Σ_e c_e Ĝ_e)/d_in, pulling towards the
+    plain average (an input no station activated keeps the average); 0: none."""
+    regmean_weighting: Literal["none", "gamma"] = "none"
+    """RegMean's station weights c_e: `none` (c_e = 1, the paper's Eq. 12) or `gamma` (γ_e, the
+    station's active clients)."""
+    regmean_max_dim: int = Field(4096, ge=1)
+    """Dense layers with more inputs than this record only their Gram's diagonal (memory and
+    upload ∝ d_in instead of d_in²)."""
+    dp_epsilon: float | None = Field(None, gt=0.0)
+    """ε of the Gaussian mechanism adding noise to each client's Grams (needs `dp_clip`); null:
+    no noise."""
     dp_delta: float = Field(1e-5, gt=0.0, lt=1.0)
-    dp_clip: float | None = Field(None, gt=0.0)  # C_G, spectral-norm clip
+    """δ of the Gaussian mechanism (with `dp_epsilon`)."""
+    dp_clip: float | None = Field(None, gt=0.0)
+    """C_G: with `dp_epsilon`, each client Gram is first scaled down to at most this spectral
+    norm (the mechanism's sensitivity); unused without `dp_epsilon`."""
 
     @model_validator(mode="after")
     def _clip_with_noise(self) -> HFedATMHparams:

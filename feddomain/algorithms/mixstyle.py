@@ -48,11 +48,17 @@ from feddomain.errors import ConfigError
 
 
 class MixStyleHparams(FedAvgHparams):
-    p: float = Field(0.5, ge=0.0, le=1.0)  # probability of mixing, per forward pass and stage
-    alpha: float = Field(0.1, gt=0.0)  # λ ~ Beta(alpha, alpha)
-    eps: float = Field(1e-6, gt=0.0)  # σ = sqrt(var + eps)
-    # 1-based indices into the model's convolutional stages; None: every stage but the last
+    """MixStyle's hyper-parameters: FedAvg's server step and the MixStyle layers'."""
+
+    p: float = Field(0.5, ge=0.0, le=1.0)
+    """p: probability that MixStyle mixes, per training forward pass and stage; 0 is FedAvg."""
+    alpha: float = Field(0.1, gt=0.0)
+    """α: the mixing weight λ ~ Beta(α, α) per sample (small α: λ near 0 or 1)."""
+    eps: float = Field(1e-6, gt=0.0)
+    """ε: added to the variance before the square root, σ = sqrt(var + ε)."""
     blocks: tuple[Annotated[int, Field(ge=1)], ...] | None = None
+    """Convolutional stages MixStyle follows, 1-based (e.g. `[1, 2]`); null: every stage but
+    the last (the paper's rule; ResNet-18's res1-res3)."""
 
     @field_validator("blocks")
     @classmethod

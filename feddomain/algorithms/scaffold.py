@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, ServerContext
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
@@ -58,7 +59,11 @@ CLIENT_C = "scaffold_c_i"  # a client's own c_i, in its persistent state
 
 
 class ScaffoldHparams(FedAvgHparams):
-    """``server_lr``: the global step size η_g > 0 (FedAvg's key)."""
+    """SCAFFOLD's hyper-parameter: the global step (FedAvg's key)."""
+
+    server_lr: float = Field(1.0, gt=0.0)
+    """η_g: global step size, `x ← x + η_g·Σ_i p_i (y_i − x)` (the control variates move by
+    their own rule); 1: the new model is the clients' weighted mean."""
 
 
 def _flat_params(model: torch.nn.Module) -> torch.Tensor:
