@@ -146,6 +146,14 @@ def _parser() -> argparse.ArgumentParser:
         help="spread over seeds: sample std or standard error of the mean (default: std)",
     )
     rep.add_argument(
+        "--metrics",
+        nargs="+",
+        default=[],
+        choices=["worst_domain_acc", "ood_nll", "ood_brier"],
+        help="extra tables after ood/id accuracy and ECE, at the same selected round: the worst "
+        "target domain's accuracy, the ood negative log-likelihood, the ood Brier score",
+    )
+    rep.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -503,7 +511,12 @@ def cmd_report(args: argparse.Namespace) -> None:
 
     if args.html and args.out is None:
         raise FeddomainError("--html writes report.html into --out DIR; add --out")
-    report = build_report(args.dirs, selection=args.selection, spread=args.spread)
+    report = build_report(
+        args.dirs,
+        selection=args.selection,
+        spread=args.spread,
+        extra_metrics=tuple(args.metrics),
+    )
     print(report.to_markdown())
     if args.out is None:  # a run directory is the run's record: nothing is added unasked
         console.print("no files written; add --out DIR for CSV, LaTeX, plots (and --html)")

@@ -443,3 +443,53 @@ def test_html_page_is_self_contained_with_tables_and_every_figure(runs_root: Pat
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
     assert "script" not in parser.tags and "link" not in parser.tags
+
+
+def _add_record_values(run: Path, by_round: dict[int, dict[str, float]]) -> None:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for record in records:
+        record.update(by_round[record["round"]])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_optional_metric_tables_use_the_selected_round(runs_root: Path, tmp_path: Path):
+    """Catches: the worst-domain/NLL/Brier tables taken from another round than the one the
+    selection rule chose (round 10 under source_val), NLL printed as a percentage, and the CSV
+    without their columns. fedavg/photo: NLL 1.2 and 1.6 at round 10 -> 1.400 ± 0.283."""
+    for seed, nll in ((0, 1.2), (1, 1.6)):
+        _add_record_values(
+            runs_root / f"fedavg_photo_s{seed}",
+            {
+                5: {"ood_nll": 9.0, "ood_brier": 0.9, "worst_domain_acc": 0.9},
+                10: {"ood_nll": nll, "ood_brier": nll / 4, "worst_domain_acc": nll / 2},
+                15: {"ood_nll": 7.0, "ood_brier": 0.7, "worst_domain_acc": 0.7},
+            },
+        )
+    constant = {"ood_nll": 2.0, "ood_brier": 0.5, "worst_domain_acc": 0.25}
+    for run in runs_root.iterdir():
+        if not run.name.startswith("fedavg_photo"):
+            _add_record_values(run, {rnd: constant for rnd in (5, 10, 15)})
+    extra = ("ood_nll", "ood_brier", "worst_domain_acc")
+    report = build_report([runs_root], extra_metrics=extra, out=tmp_path / "out")
+    md = report.to_markdown()
+    nll = table(md, "## pacs — ood NLL (nats)")
+    # std of (1.2, 1.6) with ddof 1: 0.4 / sqrt(2) = 0.2828; avg over targets (1.4 + 2.0) / 2
+    assert nll["fedavg"][:3] == ["1.400 ± 0.283", "2.000 ± 0.000", "1.700"]
+    brier = table(md, "## pacs — ood Brier score")
+    assert brier["fedavg"][0] == "0.350 ± 0.071"
+    worst = table(md, "## pacs — worst target-domain accuracy (%)")
+    assert worst["fedavg"][0] == "70.0 ± 14.1" and worst["hfedf"][0] == "25.0 ± 0.0"
+    with (tmp_path / "out" / "report.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    run_row = next(r for r in rows if r["kind"] == "run" and r["path"].endswith("fedavg_photo_s1"))
+    assert float(run_row["ood_nll"]) == 1.6 and float(run_row["worst_domain_acc"]) == 0.8
+    assert "ood NLL" not in build_report([runs_root]).to_markdown()  # only when asked
+
+
+def test_an_optional_metric_a_run_lacks_is_named_with_its_file(runs_root: Path):
+    """Catches: a run written before a metric existed silently reported as 0 or skipped."""
+    with pytest.raises(DataError, match=r"metrics\.jsonl: round 10 has no numeric 'ood_brier'"):
+        build_report([runs_root], extra_metrics=("ood_brier",))
+    with pytest.raises(ConfigError, match=r"unknown metric\(s\) \['ood_f1'\]"):
+        build_report([runs_root], extra_metrics=("ood_f1",))

@@ -40,7 +40,17 @@ from feddomain.federation.privacy import CLIENT_SERVER, KINDS
 
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
 METRICS = ("ood_acc", "id_acc", "ood_ece")
-METRIC_TITLES = {"ood_acc": "ood accuracy", "id_acc": "id accuracy", "ood_ece": "ood ECE"}
+# tables a report adds on request (`--metrics`), from the same selected round of each run
+OPTIONAL_METRICS = ("worst_domain_acc", "ood_nll", "ood_brier")
+METRIC_TITLES = {
+    "ood_acc": "ood accuracy (%)",
+    "id_acc": "id accuracy (%)",
+    "ood_ece": "ood ECE (%)",
+    "worst_domain_acc": "worst target-domain accuracy (%)",
+    "ood_nll": "ood NLL (nats)",
+    "ood_brier": "ood Brier score",
+}
+PERCENT = frozenset({"ood_acc", "id_acc", "ood_ece", "worst_domain_acc"})
 CSV_COLUMNS = (
     "kind", "algorithm", "dataset", "target", "selection", "seed", "n_seeds", "selected_round",
     "rounds", "local_epochs", "ood_acc", "ood_acc_std", "id_acc", "id_acc_std", "ood_ece",
@@ -101,13 +111,17 @@ class Stat:
         """Standard error of the mean."""
         return self.std / math.sqrt(self.n)
 
-    def cell(self, spread: str = "std", pm: str = "±") -> str:
-        """Percentages with one decimal, as in the papers' tables; a spread only when there
-        are several seeds (one seed has none to show)."""
+    def cell(self, spread: str = "std", pm: str = "±", percent: bool = True) -> str:
+        """Percentages with one decimal, as in the papers' tables (other values: three
+        decimals); a spread only when there are several seeds (one seed has none to show)."""
         if self.n == 1:
-            return f"{100 * self.mean:.1f}"
+            return _number(self.mean, percent)
         value = self.std if spread == "std" else self.se
-        return f"{100 * self.mean:.1f} {pm} {100 * value:.1f}"
+        return f"{_number(self.mean, percent)} {pm} {_number(value, percent)}"
+
+
+def _number(value: float, percent: bool) -> str:
+    return f"{100 * value:.1f}" if percent else f"{value:.3f}"
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     spread: str = "std"
+    metrics: tuple[str, ...] = METRICS  # the tables, in order
 
     def title(self) -> str:
         oracle = self.selection == "oracle"
@@ -149,8 +164,8 @@ class Report:
         """One method x target table per dataset and metric, with an unweighted ``avg`` column."""
         lines = [f"# {self.title()}", "", self._legend()]
         for dataset in self.datasets():
-            for metric in METRICS:
-                lines += ["", f"## {dataset} — {METRIC_TITLES[metric]} (%)", ""]
+            for metric in self.metrics:
+                lines += ["", f"## {dataset} — {METRIC_TITLES[metric]}", ""]
                 header, *body = self.table_rows(dataset, metric)
                 lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
                 lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -163,11 +178,11 @@ class Report:
         """The same tables as booktabs ``tabular`` environments, ready to paste."""
         out = [f"% {self.title()}", f"% {self._legend()}"]
         for dataset in self.datasets():
-            for metric in METRICS:
+            for metric in self.metrics:
                 header, *body = self.table_rows(dataset, metric, pm="$\\pm$")
                 out += [
                     "",
-                    f"% {dataset} — {METRIC_TITLES[metric]} (%)",
+                    f"% {dataset} — {METRIC_TITLES[metric]}",
                     "\\begin{tabular}{l" + "r" * (len(header) - 1) + "}",
                     "\\toprule",
                     " & ".join(_tex(c) for c in header) + " \\\\",
@@ -190,9 +205,11 @@ class Report:
             cells = [groups.get((algo, t)) for t in targets]
             present = [g for g in cells if g is not None]
             means = [g.stats[metric].mean for g in present]
-            avg = f"{100 * sum(means) / len(means):.1f}" if len(present) == len(targets) else "—"
+            percent = metric in PERCENT
+            whole = len(present) == len(targets)
+            avg = _number(sum(means) / len(means), percent) if whole else "—"
             runs = [r for g in present for r in g.runs]
-            row = [g.stats[metric].cell(self.spread, pm) if g else "—" for g in cells]
+            row = [g.stats[metric].cell(self.spread, pm, percent) if g else "—" for g in cells]
             rows.append([algo, *row, avg, _span(len(g.runs) for g in present),
                          ", ".join(sorted({r.budget for r in runs})),
                          _span(r.selected["selected_round"] for r in runs)])  # fmt: skip
@@ -237,12 +254,12 @@ class Report:
             row = _base_row("run", run.algorithm, run.dataset, run.target, self.selection)
             row.update(seed=run.seed, selected_round=run.selected["selected_round"], path=run.path)
             row.update(rounds=run.summary["rounds"], local_epochs=run.local_epochs)
-            row.update({m: run.selected[m] for m in METRICS})
+            row.update({m: run.selected[m] for m in self.metrics})
             rows.append(row)
         for g in self.groups:
             row = _base_row("group", g.algorithm, g.dataset, g.target, self.selection)
             row["n_seeds"] = len(g.runs)
-            for m in METRICS:
+            for m in self.metrics:
                 row[m], row[f"{m}_std"] = g.stats[m].mean, g.stats[m].std
             rows.append(row)
         return rows
@@ -383,7 +400,9 @@ def _summary_fields(path: Path, summary: dict) -> tuple[str, str, tuple[str, ...
     return algorithm, dataset, tuple(targets), seed
 
 
-def load_run(run_dir: Path, selection: str) -> tuple[RunResult, list[str]]:
+def load_run(
+    run_dir: Path, selection: str, metrics: tuple[str, ...] = METRICS
+) -> tuple[RunResult, list[str]]:
     """One run and any warnings about it (summary disagreeing with its own metrics)."""
     for name in RUN_FILES:
         if not (run_dir / name).is_file():
@@ -397,7 +416,7 @@ def load_run(run_dir: Path, selection: str) -> tuple[RunResult, list[str]]:
     except DataError as err:
         raise DataError(f"{metrics_path}: {err}") from err
     records.sort(key=lambda r: r["round"])  # select() checked every record has a unique round
-    for metric in METRICS:
+    for metric in metrics:
         value = chosen.get(metric)
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise DataError(
@@ -498,7 +517,7 @@ def _short(key: str) -> str:
     return key.removeprefix("algorithm.")
 
 
-def _group(runs: list[RunResult]) -> list[GroupResult]:
+def _group(runs: list[RunResult], metrics: tuple[str, ...] = METRICS) -> list[GroupResult]:
     by_key: dict[tuple[str, str, str], list[RunResult]] = {}
     for run in runs:
         by_key.setdefault((run.algorithm, run.dataset, run.target), []).append(run)
@@ -513,7 +532,7 @@ def _group(runs: list[RunResult]) -> list[GroupResult]:
                 )
             seen[run.seed] = run.path
         members.sort(key=lambda r: r.seed)
-        stats = {m: Stat.of([r.selected[m] for r in members]) for m in METRICS}
+        stats = {m: Stat.of([r.selected[m] for r in members]) for m in metrics}
         groups.append(GroupResult(algorithm, dataset, target, tuple(members), stats))
     return groups
 
@@ -524,12 +543,18 @@ def build_report(
     selection: str = "source_val",
     out: Path | None = None,
     spread: str = "std",
+    extra_metrics: tuple[str, ...] = (),
 ) -> Report:
-    """Read every run under ``dirs``; when ``out`` is given write report.md, report.csv, plots."""
+    """Read every run under ``dirs``; when ``out`` is given write report.md, report.csv, plots.
+    ``extra_metrics`` (of ``OPTIONAL_METRICS``) add their tables after the standard ones."""
     if selection not in RULES:
         raise ConfigError(f"unknown selection rule {selection!r}; choose one of {list(RULES)}")
     if spread not in SPREADS:
         raise ConfigError(f"unknown spread {spread!r}; choose one of {list(SPREADS)}")
+    unknown = [m for m in extra_metrics if m not in OPTIONAL_METRICS]
+    if unknown:
+        raise ConfigError(f"unknown metric(s) {unknown}; choose from {list(OPTIONAL_METRICS)}")
+    metrics = METRICS + tuple(dict.fromkeys(extra_metrics))
     finished, unfinished = find_runs([Path(d) for d in dirs])
     if not finished:
         names = ", ".join(str(d) for d in dirs)
@@ -537,12 +562,13 @@ def build_report(
     warnings = [f"skipped unfinished run {d} (no summary.json)" for d in unfinished]
     runs = []
     for run_dir in finished:
-        run, notes = load_run(run_dir, selection)
+        run, notes = load_run(run_dir, selection, metrics)
         runs.append(run)
         warnings += notes
     runs = label_by_settings(runs)
-    groups = _group(runs)
-    report = Report(selection, runs, groups, warnings + mixing_warnings(groups), spread=spread)
+    groups = _group(runs, metrics)
+    notes = warnings + mixing_warnings(groups)
+    report = Report(selection, runs, groups, notes, spread=spread, metrics=metrics)
     if out is not None:
         write_outputs(report, Path(out))
     return report
@@ -559,7 +585,8 @@ def write_outputs(report: Report, out: Path) -> None:
     md.write_text(report.to_markdown())
     table = out / "report.csv"
     with table.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
+        extra = [c for m in report.metrics if m not in METRICS for c in (m, f"{m}_std")]
+        writer = csv.DictWriter(fh, fieldnames=[*CSV_COLUMNS[:-1], *extra, CSV_COLUMNS[-1]])
         writer.writeheader()
         writer.writerows(report.rows())
     tex = out / "report.tex"
@@ -618,7 +645,7 @@ def _draw_curve(ax, group: GroupResult, metric: str, colour: str) -> None:
         y = values.mean(axis=0)[rounds.index(chosen)]
         ax.plot([chosen], [y], marker="*", markersize=12, color=colour, markeredgecolor="black")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(xlabel="round", ylabel=f"{METRIC_TITLES[metric]} (%)")
+    ax.set(xlabel="round", ylabel=METRIC_TITLES[metric])
     ax.grid(alpha=0.3)
 
 
