@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from feddomain.algorithms import METHODS, register
-from feddomain.algorithms.registry import resolve_method
 from feddomain.algorithms.base import Hparams, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
+from feddomain.algorithms.registry import resolve_method
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
