@@ -102,7 +102,9 @@ def runs_root(tmp_path: Path) -> Path:
 def table(markdown: str, title: str) -> dict[str, list[str]]:
     """Rows of the markdown table under heading ``title``: {first cell: other cells}."""
     lines = markdown.splitlines()
-    start = lines.index(title) + 2
+    start = lines.index(title) + 1
+    while not lines[start].startswith("|"):  # a blank line, or a legend, before the table
+        start += 1
     rows = {}
     for line in lines[start:]:
         if not line.startswith("|"):
@@ -493,3 +495,23 @@ def test_an_optional_metric_a_run_lacks_is_named_with_its_file(runs_root: Path):
         build_report([runs_root], extra_metrics=("ood_brier",))
     with pytest.raises(ConfigError, match=r"unknown metric\(s\) \['ood_f1'\]"):
         build_report([runs_root], extra_metrics=("ood_f1",))
+
+
+def test_time_per_round_is_averaged_over_rounds_then_runs(runs_root: Path):
+    """Catches: the time table summing instead of averaging, a phase one run lacks dropped from
+    its mean (it counts as 0 s there), and a server part listed before the round's phases.
+    fedavg/photo seed 0: train (2 + 4) / 2 = 3, server_merge (0.5 + 0) / 2; seed 1: train 5."""
+    rounds = {
+        "fedavg_photo_s0": [{"train": 2.0, "aggregate": 0.2, "server_merge": 0.5},
+                            {"train": 4.0, "aggregate": 0.4}],
+        "fedavg_photo_s1": [{"train": 5.0, "aggregate": 0.3}],
+    }  # fmt: skip
+    for run, times in rounds.items():
+        lines = [json.dumps({"round": r + 1, "time": t}) for r, t in enumerate(times)]
+        (runs_root / run / "rounds.jsonl").write_text("\n".join(lines) + "\n")
+    md = build_report([runs_root]).to_markdown()
+    timing = table(md, "## pacs — time per round (s, mean over rounds and runs)")
+    assert timing["method"] == ["train", "aggregate", "server_merge"]
+    # fedavg: train mean(3, 5) = 4; aggregate mean(0.3, 0.3) = 0.3; merge mean(0.25, 0) = 0.125
+    assert timing["fedavg"] == ["4", "0.3", "0.125"]
+    assert "hfedf" not in timing  # no rounds.jsonl: no row

@@ -57,6 +57,7 @@ CSV_COLUMNS = (
     "ood_ece_std", "path",
 )  # fmt: skip
 SPREADS = ("std", "se")
+PHASES = ("train", "aggregate", "evaluate")  # a round's phases in rounds.jsonl, in this order
 # config keys that do not change what a run computes: runs differing only here are one setting
 NEUTRAL_KEYS = frozenset(
     {"name", "seed", "threads", "dataset.root", "dataset.cache_dir", "split.targets",
@@ -170,6 +171,7 @@ class Report:
                 lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
                 lines += ["| " + " | ".join(row) + " |" for row in body]
             lines += self._communication(dataset)
+            lines += self._timing(dataset)
         if self.warnings:
             lines += ["", "## Notes", ""] + [f"- {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
@@ -245,6 +247,39 @@ class Report:
         for row, runs in sorted(by_row.items()):
             cells = [np.mean([r[d][k] for r in runs]) / 1024 for d, k in columns]
             lines.append(f"| {row} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
+        return lines
+
+    def _timing(self, dataset: str) -> list[str]:
+        """Wall-clock seconds per round by phase (``rounds.jsonl``), mean over rounds and then
+        over the method's runs; ``server_*`` are parts a server reports of its own step
+        (HFedATM: ``server_merge`` and its parts), inside ``aggregate``."""
+        by_row: dict[str, list[dict[str, float]]] = {}
+        for run in self.runs:
+            path = run.path / "rounds.jsonl"
+            if run.dataset != dataset or not path.is_file():
+                continue
+            records = [r["time"] for r in read_metrics(path) if isinstance(r.get("time"), dict)]
+            phases = {k for t in records for k in t}
+            means = {k: float(np.mean([t.get(k, 0.0) for t in records])) for k in phases}
+            by_row.setdefault(run.algorithm, []).append(means)
+        if not by_row:
+            return []
+        seen = {k for runs in by_row.values() for m in runs for k in m}
+        columns = [k for k in PHASES if k in seen] + sorted(seen - set(PHASES))
+        lines = [
+            "",
+            f"## {dataset} — time per round (s, mean over rounds and runs)",
+            "",
+            "train: local training of the round's clients; aggregate: folding their replies "
+            "(stations and server); evaluate: averaged over all rounds, evaluated or not; "
+            "server_*: parts of the server's own step, inside aggregate.",
+            "",
+            "| method | " + " | ".join(columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
+        for row, runs in sorted(by_row.items()):
+            cells = [np.mean([r.get(k, 0.0) for r in runs]) for k in columns]
+            lines.append(f"| {row} | " + " | ".join(f"{c:.3g}" for c in cells) + " |")
         return lines
 
     def rows(self) -> list[dict]:
