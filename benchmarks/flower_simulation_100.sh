@@ -15,7 +15,7 @@ feddomain run "$@" --out "$work/sim" --quiet
 sim_s=$(echo "$(date +%s.%N) - $start" | bc)
 feddomain flower local --simulation --workdir "$work/fl" > "$work/local.log" 2>&1 &
 local_pid=$!
-trap 'kill -INT $local_pid 2>/dev/null; wait $local_pid 2>/dev/null || true' EXIT
+trap 'kill -TERM $local_pid 2>/dev/null; wait $local_pid 2>/dev/null || true' EXIT  # a background job ignores SIGINT
 until grep -q "flwr-home" "$work/local.log"; do sleep 1; done
 start=$(date +%s.%N)
 feddomain flower run "$@" --out "$work/ray" --flwr-home "$work/fl/flwr-home" \
