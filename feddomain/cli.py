@@ -362,6 +362,7 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seed": cfg.seed,
         "device": describe_device(cfg.device),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep's GPU pinning
     }
     _write_atomic(run_dir / "provenance.yaml", yaml.safe_dump(provenance, sort_keys=False))
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -62,7 +62,16 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=[V1,V2]",
         help="a dotted key and the YAML list of its values, e.g. 'seed=[0,1,2]' (repeatable)",
     )
-    sw.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    workers = sw.add_mutually_exclusive_group()
+    workers.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    workers.add_argument(
+        "--jobs-per-gpu",
+        type=int,
+        default=None,
+        metavar="K",
+        help="K worker processes on every visible GPU, each pinned to its GPU "
+        "(CUDA_VISIBLE_DEVICES); the runs' device must be auto or cuda",
+    )
     sw.add_argument("--out", type=Path, required=True, help="sweep directory (new or to resume)")
     sw.add_argument("--quiet", action="store_true", help="no live table")
     sw.set_defaults(func=cmd_sweep)
@@ -74,9 +83,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
     grid = [parse_grid(text) for text in args.grid]
     runs = plan(args.config, args.overrides, grid, args.out)
+    gpus = [] if args.jobs_per_gpu is None else gpu_slots(args.jobs_per_gpu, runs)
+    jobs = len(gpus) or args.jobs
     console = Console(stderr=True)
     try:
-        states = run_sweep(runs, args.jobs, console=None if args.quiet else console)
+        states = run_sweep(runs, jobs, console=None if args.quiet else console, gpus=gpus)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: rerun the same command to resume the sweep")
         return 130
@@ -87,6 +98,33 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         console.print(_table(states))
     _report(args.out, [s for s in states if s.status in ("done", "skipped")], console)
     return 1 if any(s.status == "failed" for s in states) else 0
+
+
+def gpu_slots(per_gpu: int, runs: list[SweepRun]) -> list[str]:
+    """``per_gpu`` worker slots on every visible GPU: the ``CUDA_VISIBLE_DEVICES`` value each
+    worker is pinned to. Refused without CUDA, and for runs whose device names another place
+    (``cpu``, or ``cuda:N``, which a worker that sees one GPU does not have)."""
+    import torch
+
+    if per_gpu < 1:
+        raise ConfigError(f"--jobs-per-gpu must be at least 1, got {per_gpu}")
+    for run in runs:
+        device = run.config.get("device", "auto")
+        if device not in ("auto", "cuda"):
+            raise ConfigError(
+                f"--jobs-per-gpu pins every run to a GPU, but run {run.name} has device "
+                f"{device!r}; set device to auto or cuda (or use --jobs)"
+            )
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError(
+            "--jobs-per-gpu needs a CUDA device and none is visible here; use --jobs N on CPU"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = (
+        [i.strip() for i in visible.split(",")][:count] if visible else list(map(str, range(count)))
+    )
+    return [gpu for gpu in ids for _ in range(per_gpu)]
 
 
 # ----------------------------------------------------------------------------- planning
@@ -213,9 +251,16 @@ class RunState:
     pid: int | None = None  # the worker running it
 
 
-def run_sweep(runs: list[SweepRun], jobs: int, console: Console | None = None) -> list[RunState]:
+def run_sweep(
+    runs: list[SweepRun],
+    jobs: int,
+    console: Console | None = None,
+    gpus: list[str] | None = None,
+) -> list[RunState]:
     """Run every unfinished run in ``jobs`` worker processes; a failed run is recorded with its
-    error and the others go on. With a ``console``, a live table shows every run's state."""
+    error and the others go on. With a ``console``, a live table shows every run's state. With
+    ``gpus`` (one ``CUDA_VISIBLE_DEVICES`` value per worker, ``gpu_slots``), worker i sees only
+    GPU ``gpus[i]``."""
     states = [RunState(r) for r in runs]
     for s in states:
         if (s.run.out / "summary.json").is_file():
@@ -223,19 +268,22 @@ def run_sweep(runs: list[SweepRun], jobs: int, console: Console | None = None) -
     todo = [s for s in states if s.status == "queued"]
     with _live(states, console) as refresh:
         while todo:  # a pool whose worker died is replaced; runs it had not started go again
-            _pool_pass(todo, jobs, refresh)
+            _pool_pass(todo, jobs, refresh, gpus or [])
             todo = [s for s in todo if s.status == "queued"]
     return states
 
 
-def _pool_pass(todo: list[RunState], jobs: int, refresh: Callable[[], None]) -> None:
+def _pool_pass(
+    todo: list[RunState], jobs: int, refresh: Callable[[], None], gpus: list[str]
+) -> None:
     """Submit ``todo`` to a fresh pool and settle each run as its future completes."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent holding torch's threads
-    events = ctx.Queue()
+    events, slots = ctx.Queue(), ctx.Queue()
+    for gpu in gpus:  # each worker takes one as it starts
+        slots.put(gpu)
     by_name = {s.run.name: s for s in todo}
-    with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), events)
-    ) as pool:
+    init = (os.getpid(), events, slots if gpus else None)
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=init) as pool:
         futures = {pool.submit(execute, s.run.config, str(s.run.out), s.run.name): s for s in todo}
         pending = set(futures)
         try:
@@ -278,13 +326,17 @@ def _settle(fut: Future, state: RunState) -> None:
 _events: Any = None  # the worker's queue of start events to the parent
 
 
-def _init_worker(parent: int, events: Any) -> None:
-    """Per worker process: report starts on ``events``; leave Ctrl-C to the parent (which
-    kills running workers itself); exit as soon as the parent is gone."""
+def _init_worker(parent: int, events: Any, slots: Any = None) -> None:
+    """Per worker process: report starts on ``events``; take a GPU from ``slots`` and see only
+    it (before CUDA is initialised, so ``cuda`` means that GPU for every run of the worker);
+    leave Ctrl-C to the parent (which kills running workers itself); exit as soon as the parent
+    is gone."""
     from feddomain.federation.device import CUBLAS_WORKSPACE
 
     global _events
     _events = events
+    if slots is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = slots.get()
     # read once per process, at the first cuBLAS call: a worker may run a deterministic run
     # after another (apply_determinism sets it too late there); harmless for the others
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)

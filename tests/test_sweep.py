@@ -20,7 +20,16 @@ import yaml
 from feddomain.cli import main
 from feddomain.config import load_config
 from feddomain.errors import ConfigError, FeddomainError
-from feddomain.sweep import RunState, SweepRun, _settle, parse_grid, plan, yaml_text
+from feddomain.sweep import (
+    RunState,
+    SweepRun,
+    _settle,
+    gpu_slots,
+    parse_grid,
+    plan,
+    run_sweep,
+    yaml_text,
+)
 from tests.resume_helpers import FEDDOMAIN, PROJECT, metrics_of, summary_of
 
 SMALL = {
@@ -252,3 +261,45 @@ def test_a_dead_worker_fails_its_run_and_the_runs_it_had_not_started_go_again(tm
         _settle(fut, state)
     assert running.status == "failed" and "worker process died" in (running.error or "")
     assert queued.status == "queued" and queued.error is None
+
+
+# ------------------------------------------------------------------------------- GPUs
+def test_jobs_per_gpu_gives_k_slots_on_every_visible_gpu(config: Path, tmp_path: Path, monkeypatch):
+    """Catches slots on GPUs the process cannot see (ids 0..n-1 while CUDA_VISIBLE_DEVICES
+    names others), or K ignored: 2 per GPU on GPUs 3 and 5 are workers 3, 3, 5, 5."""
+    runs = plan(config, ["rounds=1"], [], tmp_path / "sweep")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert gpu_slots(2, runs) == ["3", "3", "5", "5"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_slots(1, runs) == ["0", "1"]
+
+
+def test_jobs_per_gpu_is_refused_without_cuda_or_for_a_run_placed_elsewhere(
+    config: Path, tmp_path: Path, monkeypatch
+):
+    """Catches a GPU sweep silently running on the CPU, and a run pinned to `cuda:1` (which a
+    worker that sees one GPU does not have) or to the CPU accepted."""
+    runs = plan(config, ["rounds=1"], [], tmp_path / "sweep")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="needs a CUDA device and none is visible"):
+        gpu_slots(1, runs)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cpu = plan(config, ["rounds=1", "device=cpu"], [], tmp_path / "sweep-cpu")
+    with pytest.raises(ConfigError, match=r"run lodo-grey has device 'cpu'; set device to auto"):
+        gpu_slots(1, cpu)
+    with pytest.raises(SystemExit):  # argparse: --jobs and --jobs-per-gpu exclude each other
+        main(["sweep", str(config), "--jobs", "2", "--jobs-per-gpu", "1", "--out", "x"])
+
+
+def test_each_worker_sees_only_its_gpu(config: Path, tmp_path: Path):
+    """Catches workers not pinned (every run on GPU 0, or the parent's whole device list): each
+    run's provenance records the CUDA_VISIBLE_DEVICES its worker had, one of the two slots (on
+    a machine without CUDA the runs fall back to the CPU, which the pinning does not change)."""
+    runs = plan(config, ["rounds=1"], [], tmp_path / "sweep")
+    states = run_sweep(runs, 2, gpus=["7", "9"])
+    assert [s.status for s in states] == ["done", "done"]
+    for run in runs:
+        provenance = yaml.safe_load((run.out / "provenance.yaml").read_text())
+        assert provenance["cuda_visible_devices"] in ("7", "9")
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") not in ("7", "9")  # the parent's untouched
