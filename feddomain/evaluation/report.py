@@ -697,7 +697,7 @@ def _plot_curves(groups: list[GroupResult]) -> Figure:
         for g in groups:
             _draw_curve(ax, g, metric, colours[g.algorithm])
         ax.set_title(METRIC_TITLES[metric])
-    axes[1].legend(fontsize="small")
+    _legend_below(fig, axes[1])
     fig.suptitle(
         f"{groups[0].dataset}, unseen target {groups[0].target}: mean over seeds, band from "
         "lowest to highest seed, ★ selected round"
@@ -715,9 +715,16 @@ def _overview(dataset: str, by_target: dict[str, list[GroupResult]]) -> Figure:
         for g in by_target[target]:
             _draw_curve(ax, g, "ood_acc", colours[g.algorithm])
         ax.set_title(f"target {target}")
-    axes[-1].legend(fontsize="small")
+    _legend_below(fig, axes[-1])
     fig.suptitle(f"{dataset}: ood accuracy per unseen target (★ selected round)")
     return fig
+
+
+def _legend_below(fig: Figure, ax) -> None:
+    """The methods' legend under the panels, where it covers no curve."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6),
+               fontsize="small", frameon=False)  # fmt: skip
 
 
 def _vector(path: Path, key: str, value: object, size: int | None) -> np.ndarray:
