@@ -115,6 +115,8 @@ def test_with_both_weights_zero_fisc_is_fedavg_bit_for_bit(tmp_path):
                 algorithm={"name": name, **hp},
                 model={"name": "small_cnn"},
                 train__optimizer="adam",
+                train__local_epochs=2,  # a stray draw would shift epoch 2's order and flips
+                train__augment={"hflip": True},
                 **NORM,
             )
             runs[name] = run_sim(cfg, tmp_path / name, uneven_federation(cfg))
