@@ -79,9 +79,9 @@ def test_triplet_value_by_hand_on_normalised_features():
     p = fs / fs.norm(dim=1, keepdim=True)
     n = p.flip(0)
     m = 0.3
-    expected = sum(
-        max(0.0, float((a[i] - p[i]).norm() - (a[i] - n[i]).norm()) + m) for i in range(2)
-    ) / 2
+    expected = (
+        sum(max(0.0, float((a[i] - p[i]).norm() - (a[i] - n[i]).norm()) + m) for i in range(2)) / 2
+    )
     gen = torch.Generator().manual_seed(0)
     got = triplet_term(f, fs, y, m, gen)
     assert abs(float(got) - expected) < 1e-6  # eps = 1e-7 inside the distances
@@ -211,7 +211,9 @@ def test_one_style_up_and_one_down_per_client_then_fedavg_traffic(tmp_path):
     with fedavg_on_fisc_model() as reference:
         for name in ("fisc", reference):
             cfg = fisc_config(rounds=2)
-            cfg = cfg.model_copy(update={"algorithm": tiny_config(algorithm={"name": name}).algorithm})
+            cfg = cfg.model_copy(
+                update={"algorithm": tiny_config(algorithm={"name": name}).algorithm}
+            )
             runs[name] = run_sim(cfg, tmp_path / name)
     n = runs["fisc"].data.n_clients
     zero = runs["fisc"].round_log[0]
@@ -261,7 +263,7 @@ def test_missing_or_wrong_style_weights_are_refused_when_the_config_loads(tmp_pa
 
 def test_a_resolution_the_dct_backend_cannot_tile_is_refused():
     """Catches: a DCT backend failing mid-run on image sides not divisible by 8."""
-    with pytest.raises(ConfigError, match="dataset.resolution.*multiple of 8"):
+    with pytest.raises(ConfigError, match=r"dataset.resolution.*multiple of 8"):
         tiny_config(algorithm={"name": "fisc"}, dataset__resolution=28)
 
 

@@ -140,7 +140,9 @@ def test_client_style_moments_by_hand():
     assert m == 2
     mu = (1.5 - 1.0) / 2
     sigma = np.sqrt((3 + 4) / 2 - mu**2 + EPS)
-    assert torch.allclose(mean.double(), torch.tensor([mu, 10 * mu], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(
+        mean.double(), torch.tensor([mu, 10 * mu], dtype=torch.float64), atol=1e-6
+    )
     assert abs(float(std[0]) - sigma) < 1e-5
     mean2, std2, _ = client_style(z.float(), "finch", "mean_of_stats")
     s = (np.sqrt(3 - 1.5**2 + EPS) + np.sqrt(4 - 1 + EPS)) / 2
