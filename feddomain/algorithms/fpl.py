@@ -69,11 +69,12 @@ def prototype_term(
     valid = positive.any(1)
     if not bool(valid.any()):
         return f.new_zeros(())
-    sim = F.cosine_similarity(f[:, None, :], protos[None, :, :], dim=2) / tau
+    anchors, positive = f[valid], positive[valid]  # rows without a positive would give inf
+    sim = F.cosine_similarity(anchors[:, None, :], protos[None, :, :], dim=2) / tau
     infonce = torch.logsumexp(sim, 1) - torch.logsumexp(sim.masked_fill(~positive, -torch.inf), 1)
-    unbiased = (positive.to(f.dtype) @ protos) / positive.sum(1, keepdim=True).clamp_min(1)
-    mse = (f - unbiased).pow(2).mean(1)
-    return ((infonce + mse) * valid).sum() / f.shape[0]
+    unbiased = (positive.to(f.dtype) @ protos) / positive.sum(1, keepdim=True)
+    mse = (anchors - unbiased).pow(2).mean(1)
+    return (infonce + mse).sum() / f.shape[0]
 
 
 class FPLServer(FedAvgServer):
