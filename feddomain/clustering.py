@@ -15,10 +15,6 @@ import warnings
 import numpy as np
 import torch
 
-with warnings.catch_warnings():  # the package warns at import that pynndescent is missing
-    warnings.simplefilter("ignore")
-    from finch import FINCH
-
 
 def finch_partitions(rows: torch.Tensor | np.ndarray, *, early_exit: bool = True) -> np.ndarray:
     """FINCH partitions of ``rows`` [n, d] as labels [n, P], finest first, coarsest last.
@@ -32,7 +28,9 @@ def finch_partitions(rows: torch.Tensor | np.ndarray, *, early_exit: bool = True
     if n <= 2:
         return np.zeros((n, 1), dtype=np.int64)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # at import: pynndescent (not needed here) is missing
+        from finch import FINCH  # late: scikit-learn's import costs seconds at every start
+
         partitions, _, _ = FINCH(
             data.astype(np.float32),
             distance="cosine",
