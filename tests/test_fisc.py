@@ -226,9 +226,15 @@ def test_one_style_up_and_one_down_per_client_then_fedavg_traffic(tmp_path):
 
 
 def test_the_style_is_in_the_checkpointed_state_of_server_and_clients(tmp_path):
-    """Catches: a broadcast style kept only in memory (a resumed run would train without it):
-    the server's state_dict and every client's persistent state hold the same style."""
-    sim = run_sim(fisc_config(rounds=1), tmp_path / "run")
+    """Catches: a broadcast style kept only in memory (a resumed run would train without it),
+    or a style phase limited to the sampled clients: with 1 of 3 clients sampled per round, the
+    server's state_dict and every client's persistent state hold the same style."""
+    cfg = fisc_config(rounds=1)
+    cfg = cfg.model_copy(
+        update={"topology": cfg.topology.model_copy(update={"sample_fraction": 0.34})}
+    )
+    sim = run_sim(cfg, tmp_path / "run")
+    assert len(sim.schedule[0]) == 1
     styles = sim.server.state_dict()["styles"]
     assert set(styles) == set(range(sim.data.n_clients))
     for cid, state in enumerate(sim.states):
