@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 
 def finch_partitions(rows: torch.Tensor | np.ndarray, *, early_exit: bool = True) -> np.ndarray:
@@ -27,7 +28,9 @@ def finch_partitions(rows: torch.Tensor | np.ndarray, *, early_exit: bool = True
         raise ValueError("FINCH needs at least one row; got none")
     if n <= 2:
         return np.zeros((n, 1), dtype=np.int64)
-    with warnings.catch_warnings():
+    # BLAS with the run's thread count (torch's): OpenBLAS's default of one thread per core
+    # made each small distance matrix 100x slower on a loaded 2-core machine (docs/performance.md)
+    with warnings.catch_warnings(), threadpool_limits(limits=torch.get_num_threads()):
         warnings.simplefilter("ignore")  # at import: pynndescent (not needed here) is missing
         from finch import FINCH  # late: scikit-learn's import costs seconds at every start
 
