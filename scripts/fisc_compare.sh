@@ -21,7 +21,7 @@ declare -A methods=(
   [ccst]="algorithm=ccst"
   [fpl]="algorithm=fpl"
   [fisc]=""
-  [fisc_v3]="algorithm.styled_loss=cross_entropy"
+  [fisc_v3]="algorithm.styled_loss=cross_entropy algorithm.label=fisc_v3"
 )
 order=(fedavg fisc fisc_v3 ccst fpl fedsr feddg_ga)
 for seed in "${seeds[@]}"; do
