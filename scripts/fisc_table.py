@@ -63,7 +63,8 @@ def main(out: Path) -> None:
         if "fisc" in means and other in means:
             a, b = 100 * means["fisc"], 100 * means[other]
             holds = a >= b if rel == ">=" else a > b
-            print(f"- FISC {rel} {other}: {a:.2f} vs {b:.2f} -> {'holds' if holds else 'does not hold'}")
+            verdict = "holds" if holds else "does not hold"
+            print(f"- FISC {rel} {other}: {a:.2f} vs {b:.2f} -> {verdict}")
 
 
 if __name__ == "__main__":
