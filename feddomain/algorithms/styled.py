@@ -149,7 +149,9 @@ class StyleClient(FedAvgClient):
             )
         return kept
 
-    def restyle(self, x: torch.Tensor, ctx: ClientContext, mean: torch.Tensor, std: torch.Tensor):
+    def restyle(
+        self, x: torch.Tensor, ctx: ClientContext, mean: torch.Tensor, std: torch.Tensor
+    ) -> torch.Tensor:
         """Model inputs ``x`` re-rendered in the style (mean, std), as model inputs again."""
         unit = stylize(to_unit(x, ctx), self.backend(x.device), mean, std, self.hp.alpha)
         return from_unit(unit, ctx)
@@ -201,13 +203,18 @@ class StyleServer(FedAvgServer):
         self.styles = state["styles"]
 
 
+def _normalization(x: torch.Tensor, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, std = ctx.normalization
+    return tuple(
+        torch.tensor(v, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) for v in (mean, std)
+    )
+
+
 def to_unit(x: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
     """Model inputs back to images in [0, 1] (undo ``train.mean``/``train.std``)."""
     if ctx.normalization is None:
         return x
-    mean, std = (
-        torch.tensor(v, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) for v in ctx.normalization
-    )
+    mean, std = _normalization(x, ctx)
     return x * std + mean
 
 
@@ -215,7 +222,5 @@ def from_unit(x: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
     """Images in [0, 1] as model inputs (``train.mean``/``train.std`` applied)."""
     if ctx.normalization is None:
         return x
-    mean, std = (
-        torch.tensor(v, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) for v in ctx.normalization
-    )
+    mean, std = _normalization(x, ctx)
     return (x - mean) / std
