@@ -281,10 +281,13 @@ def test_a_client_whose_style_phase_fails_is_named():
         client.run(Message("collect"), ctx)
 
 
-def test_a_client_with_one_or_two_images_is_one_style_cluster():
-    """Catches: a client too small for FINCH failing the run (§3.8: one cluster)."""
+def test_a_client_with_one_or_two_images_is_one_style_cluster(caplog):
+    """Catches: a client too small for FINCH failing the run (§3.8: one cluster), or passing
+    without a word (the log names it)."""
     client = FISCClient(FISCHparams())
-    reply = client.run(Message("collect"), _context(Message("state"), n=2))
+    with caplog.at_level("WARNING"):
+        reply = client.run(Message("collect"), _context(Message("state"), n=2, cid=9))
+    assert "client 9 has 2 training image(s), fewer than FINCH needs" in caplog.text
     assert reply.arrays["style_mean"].shape == (192,)
     assert bool((reply.arrays["style_std"] > 0).all())
 

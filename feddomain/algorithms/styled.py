@@ -10,6 +10,7 @@ The method modules supply the server's derivation (``derive``) and the training 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,7 @@ from feddomain.style.statistics import (
 )
 
 COLLECT, STYLE = "collect", "style"  # round 0: the clients' styles up, the server's down
+log = logging.getLogger(__name__)
 MEAN, STD = "style_mean", "style_std"  # what a client uploads, and what it receives
 KEPT = "style/"  # prefix of what a client keeps of the server's message in its state
 
@@ -118,6 +120,13 @@ class StyleClient(FedAvgClient):
         try:
             if len(ctx.train) == 0:
                 raise DataError("it has no training images (the style needs at least one)")
+            if len(ctx.train) < 3 and self.hp.local_clustering == "finch":
+                log.warning(
+                    "client %d has %d training image(s), fewer than FINCH needs to split (3): "
+                    "its style is one cluster's",
+                    ctx.cid,
+                    len(ctx.train),
+                )
             device = ctx.train.inputs.device
             features = encode_all(
                 ctx.train.batches(ctx.batch_size, ctx.generator),
