@@ -6,7 +6,9 @@
 # initialisation for every method (all derive from the seed). Runs one after another, niced,
 # one thread each; a finished run is skipped when the script is run again.
 #   scripts/fisc_compare.sh DATA_ROOT OUT [SEEDS...]      e.g. scripts/fisc_compare.sh /data runs/fisc 0 1 2
-#   feddomain report OUT/<scheme>/* --selection last      (and --selection source_val)
+#   SCHEMES=lodo scripts/fisc_compare.sh /data runs/fisc 0   (leave-one-domain-out instead)
+#   python scripts/fisc_table.py OUT                        (the LTDO table and §8's checks)
+#   feddomain report OUT/<scheme>/*/* --selection last      (and --selection source_val)
 set -euo pipefail
 root=${1:?data root (the folder holding PACS/)}
 out=${2:?output folder}
@@ -25,10 +27,10 @@ declare -A methods=(
 )
 order=(fedavg fisc fisc_v3 ccst fpl fedsr feddg_ga)
 for seed in "${seeds[@]}"; do
-  for scheme in cs-a-p ac-p-s ps-c-a pa-s-c; do
+  for scheme in ${SCHEMES:-cs-a-p ac-p-s ps-c-a pa-s-c}; do
     for m in "${order[@]}"; do
       dir="$out/$scheme/$m/s$seed"
-      [ -f "$dir/summary.json" ] && continue
+      [ -f "$dir/summary.json" ] || [ -f "$dir/lodo-sketch/summary.json" ] && continue
       rm -rf "$dir"
       nice -n 10 python -m feddomain.cli run "$config" "dataset.root=$root" "split.scheme=$scheme" \
         "seed=$seed" ${methods[$m]} --out "$dir" --quiet
