@@ -43,7 +43,8 @@ def fisc_config(rounds=2, model="lenet5", **algorithm):
 
 
 def untimed(records):
-    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+    """Records without phase times and FISC's own diagnostics (its style-cluster count)."""
+    return [{k: v for k, v in r.items() if k not in ("time", "diagnostics")} for r in records]
 
 
 # ---------------------------------------------------------------------- check 7: triplet
@@ -126,6 +127,7 @@ def test_with_both_weights_zero_fisc_is_fedavg_bit_for_bit(tmp_path):
     for k, v in fedavg.items():
         assert torch.equal(fisc[k], v), k
     assert untimed(runs["fisc"].records) == untimed(runs[reference].records)
+    assert runs["fisc"].records[-1]["diagnostics"]["style_clusters"] >= 1
 
 
 def test_the_loss_is_ce_plus_weighted_triplet_and_l2_by_hand():

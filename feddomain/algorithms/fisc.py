@@ -20,7 +20,7 @@ triplet term). v4 is not implemented.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -94,10 +94,22 @@ def triplet_term(
 class FISCServer(StyleServer):
     """FedAvg with the round-0 interpolation style."""
 
+    clusters = 0  # FINCH clusters of the client styles the median was taken over
+
     def derive(self, clients: list[int], rows: torch.Tensor) -> dict[int, Arrays]:
-        mean, std, _ = interpolation_style(rows, self.hp.server_clustering)
+        mean, std, self.clusters = interpolation_style(rows, self.hp.server_clustering)
         style = {MEAN: mean, STD: std}
         return {c: style for c in range(self.ctx.n_clients)}
+
+    def diagnostics(self) -> dict[str, Any]:
+        return {"style_clusters": self.clusters}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "clusters": self.clusters}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.clusters = state["clusters"]
 
 
 class FISCClient(StyleClient):
