@@ -6,6 +6,7 @@
 # initialisation for every method (all derive from the seed). Runs one after another, niced,
 # one thread each; a finished run is skipped when the script is run again.
 #   scripts/fisc_compare.sh DATA_ROOT OUT [SEEDS...]      e.g. scripts/fisc_compare.sh /data runs/fisc 0 1 2
+#   METHODS="fedavg fisc" scripts/fisc_compare.sh /data runs/fisc 1   (a subset of the methods)
 #   SCHEMES=lodo scripts/fisc_compare.sh /data runs/fisc 0   (leave-one-domain-out instead)
 #   python scripts/fisc_table.py OUT                        (the LTDO table and §8's checks)
 #   feddomain report OUT/<scheme>/*/* --selection last      (and --selection source_val)
@@ -25,7 +26,7 @@ declare -A methods=(
   [fisc]=""
   [fisc_v3]="algorithm.styled_loss=cross_entropy algorithm.label=fisc_v3"
 )
-order=(fedavg fisc fisc_v3 ccst fpl fedsr feddg_ga)
+read -ra order <<< "${METHODS:-fedavg fisc fisc_v3 ccst fpl fedsr feddg_ga}"
 for seed in "${seeds[@]}"; do
   for scheme in ${SCHEMES:-cs-a-p ac-p-s ps-c-a pa-s-c}; do
     for m in "${order[@]}"; do
