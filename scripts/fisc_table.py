@@ -40,7 +40,7 @@ def cell(values: list[float]) -> str:
 
 def main(out: Path) -> None:
     seeds = sorted({p.name for p in out.glob("*/*/s*") if (p / "summary.json").exists()})
-    header = "| method | " + " | ".join(f"test {s}" for s in SCHEMES)
+    header = "| method | " + " | ".join(f"{s}: test {s[-1].upper()}" for s in SCHEMES)
     print(header + " | Test AVG | Val AVG | Test AVG (source-val) | seeds |")
     print("|---" * (len(SCHEMES) + 5) + "|")
     means = {}
