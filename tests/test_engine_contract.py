@@ -1,7 +1,7 @@
 """The engine contract the methods build on: model hooks, training controls (schedule, drop_last,
 persistent optimiser state, parameter subsets and a second optimiser, per-batch losses, what a
-client knows), per-round pre-tasks and composed methods. Each capability is exercised by a small
-method defined here."""
+client knows), per-round pre-tasks, a one-time broadcast and composed methods. Each capability
+is exercised by a small method defined here."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServe
 from feddomain.algorithms.registry import resolve_method
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message
-from feddomain.federation.privacy import Uploads
+from feddomain.federation.privacy import PrivacyViolation, Uploads
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import CLIENT_TRAIN, INIT, derive_seed
 from feddomain.federation.training import get_arrays
 from feddomain.models import build_model
-from tests.engine_helpers import run_sim, tiny_config, tiny_federation
+from tests.engine_helpers import run_sim, temporary_method, tiny_config, tiny_federation
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -439,3 +439,48 @@ def test_a_composed_method_declares_its_clients_uploads(tmp_path):
     cfg = tiny_config(algorithm={"name": "fedavg", "client": "local"})
     sim = Simulation(cfg, tiny_federation(cfg), tmp_path)
     assert sim.upload_check.uploads.model == ()
+
+
+# ------------------------------------------------------------------ one-time broadcast
+
+
+class TaggingServer(FedAvgServer):
+    """Sends every client, once after round 0's collect, a tag of its own (its id + 0.5)."""
+
+    def broadcast(self, clients):
+        return {c: Message("tag", {"tag": torch.tensor([c + 0.5])}) for c in clients}
+
+
+class TaggedClient(FedAvgClient):
+    """Keeps the tag; reports it with every fit (so the server sees what the client kept)."""
+
+    def run(self, msg, ctx):
+        if msg.task == "tag":
+            ctx.state.arrays["tag"] = msg.arrays["tag"]
+            return Message("tag", dict(msg.arrays) if ctx.cid == self.leaky else {})
+        reply = super().run(msg, ctx)
+        reply.scalars["tag"] = float(ctx.state.arrays["tag"])
+        return reply
+
+    leaky = -1  # the client that (wrongly) echoes the tag back
+
+    def uploads(self, n_clients):
+        return Uploads(model=("*",), scalars=("num_examples", "loss", "tag"))
+
+
+def test_a_one_time_broadcast_reaches_every_client_and_is_kept(tmp_path):
+    """Catches: a broadcast that reaches only the first round's sampled clients, is not kept in
+    the client's state, is repeated, or whose replies skip the privacy check (FISC's style)."""
+    with temporary_method("_tagging", TaggingServer, TaggedClient):
+        cfg = tiny_config(rounds=3, algorithm="_tagging", topology={"sample_fraction": 0.34})
+        sim = run_sim(cfg, tmp_path / "ok")
+        assert [float(s.arrays["tag"]) for s in sim.states] == [0.5, 1.5, 2.5]
+        zero = sim.round_log[0]
+        assert zero["round"] == 0 and zero["ledger"]["down"]["statistics"] == 3 * 4
+        assert all(r["ledger"]["down"]["statistics"] == 0 for r in sim.round_log[1:])
+        TaggedClient.leaky = 1
+        try:
+            with pytest.raises(PrivacyViolation, match="client 1 sent array 'tag'"):
+                run_sim(cfg, tmp_path / "leak")
+        finally:
+            TaggedClient.leaky = -1

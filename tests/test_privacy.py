@@ -37,6 +37,8 @@ PER_ROUND_STATISTICS = {
     "fediir": lambda sim: 4 * sum(p.numel() for p in sim.model.classifier.parameters()),
     # HFedATM in a flat federation: every client sends one input Gram per dense layer a round
     "hfedatm": lambda sim: sum(4 * math.prod(s) for s in gram_shapes(sim.model, 4096).values()),
+    # FPL: a prototype row per class (zeros where absent) and the per-class presence flags
+    "fpl": lambda sim: 4 * len(sim.data.classes) * (sim.model.n_features + 1),
 }
 
 

@@ -9,6 +9,8 @@ Round protocol, as the runner executes it::
     server.collect(clients) -> {cid: Message}      # once before round 1 (statistics), optional
     client.run(msg, ctx)    -> Message
     server.on_collect(replies)
+    server.broadcast(clients) -> {cid: Message}    # once: what every client keeps, optional
+    client.run(msg, ctx)    -> Message             # (its reply is checked, then dropped)
     for each round:
         [server.pre_round(rnd, participants) -> Plan; client.run; server.on_pre_round(...)]
         server.configure(rnd, sampled) -> {cid: Message}     # "fit" tasks (to sampled stations
@@ -173,6 +175,12 @@ class ServerAlgorithm(ABC):
 
     def on_collect(self, replies: dict[int, Message]) -> None:  # noqa: B027 - optional hook
         """Receive the replies of the one-time ``collect`` task."""
+
+    def broadcast(self, clients: list[int]) -> Plan:
+        """Messages every client receives once, after ``on_collect`` and before round 1, to keep
+        in its state (FISC's interpolation style); replies are checked, counted and dropped
+        (none by default)."""
+        return {}
 
     def pre_round(self, rnd: int, clients: list[int]) -> Plan:
         """Messages for a task this round's participating clients run before ``configure``

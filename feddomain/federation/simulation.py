@@ -410,12 +410,28 @@ class Simulation:
         )
 
     def _collect(self) -> None:
-        plan = self.server.collect(list(range(self.data.n_clients)))
+        """Round 0: the one-time statistics task to every client (``collect``), then the
+        server's one-time message to every client (``broadcast``, e.g. FISC's interpolation
+        style), whose replies are checked and counted like any reply, then dropped."""
+        clients = list(range(self.data.n_clients))
+        before = self.links.snapshot()
+        timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
+        t0 = time.perf_counter()
+        plan = self.server.collect(clients)
         if plan:
-            before = self.links.snapshot()
-            timing = {"train": 0.0, "aggregate": 0.0, "evaluate": 0.0}
             delivered = self._deliver(0, plan, timing, 0, CLIENT_TRAIN)
-            self.server.on_collect({c: self._run_client(c, 0, m) for c, m in delivered})
+            replies = {c: self._run_client(c, 0, m) for c, m in delivered}
+            timing["train"] = time.perf_counter() - t0  # the clients' part
+            t1 = time.perf_counter()
+            self.server.on_collect(replies)
+            timing["aggregate"] = time.perf_counter() - t1  # the server's part
+        sent = self.server.broadcast(clients)
+        if sent:
+            t1 = time.perf_counter()
+            for c, m in self._deliver(0, sent, timing, 0, CLIENT_PRE_ROUND):
+                self._run_client(c, 0, m, 0, CLIENT_PRE_ROUND)
+            timing["train"] += time.perf_counter() - t1
+        if plan or sent:
             self.round_log.append(
                 {"round": 0, "task": "collect", "time": timing, **self._sent(before)}
             )
