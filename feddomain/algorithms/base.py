@@ -344,6 +344,7 @@ def model_requirement(method: str, check: ModelCheck) -> ConfigCheck:
             options=m.options,
             frozen=m.frozen,
             head_hidden=m.head_hidden,
+            head_adapter=m.head_adapter,
         )
         problem = check(skeleton, hp)
         if problem:
