@@ -163,6 +163,10 @@ class ClientContext:
 
 
 class ServerAlgorithm(ABC):
+    # True: the runner writes the final state_dict() to the run directory (server_state.pt) with
+    # its fingerprint in summary.json, for tools that build on a finished run (`feddomain adapt`)
+    exports_state: bool = False
+
     def __init__(self, ctx: ServerContext, hp: Hparams) -> None:
         self.ctx = ctx
         self.hp = hp

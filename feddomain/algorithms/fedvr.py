@@ -240,6 +240,7 @@ class FedVRServer(SynchronousServer):
     variance regulariser; the zero-shot model for the unseen domain."""
 
     hp: FedVRHparams
+    exports_state = True  # `feddomain adapt` synthesises new sites' models from it
 
     def __init__(self, ctx: ServerContext, hp: FedVRHparams) -> None:
         super().__init__(ctx, hp)

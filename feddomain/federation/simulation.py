@@ -57,6 +57,7 @@ from feddomain.models.frozen import head_model
 
 log = logging.getLogger("feddomain")
 CPU = torch.device("cpu")
+SERVER_STATE = "server_state.pt"  # the final server state of a method that exports it
 
 
 def make_optimizer_factory(
@@ -180,6 +181,8 @@ class Simulation:
                 self._save(rnd, self.elapsed + time.perf_counter() - session_start)
         wall = self.elapsed + time.perf_counter() - session_start
         summary = self.summary(wall)
+        if self.server.exports_state:
+            summary["server_state"] = self._export_state()
         _write_json_atomic(self.out / "summary.json", summary)
         checkpoint.remove(self.out)
         return summary
@@ -598,6 +601,16 @@ class Simulation:
             "wall_time_s": round(wall_time, 3),
         }
         return out
+
+    def _export_state(self) -> dict[str, Any]:
+        """The final server state for tools built on a finished run, and what identifies it."""
+        state = self.server.state_dict()
+        checkpoint.write_atomic(self.out / SERVER_STATE, state)
+        return {
+            "file": SERVER_STATE,
+            "fingerprint": checkpoint.fingerprint(state),
+            "classes": list(self.data.classes),
+        }
 
     def _append_rounds(self) -> None:
         """Append the round log's new entries to rounds.jsonl once the round (its evaluation
