@@ -529,3 +529,48 @@ def test_a_client_without_one_full_batch_is_named(tmp_path: Path) -> None:
     ctx = dataclasses.replace(ctx, train=few)
     with pytest.raises(DataError, match="client 1 ran no training step"):
         FedVRClient(sim.server.hp).run(Message("fit", sim.server.generated(1)), ctx)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Catches FedVR server state lost across a SIGKILL and --resume: the clients' statistics
+    (collected once, before round 1), the hypernetwork and encoder, the pilot statistics and the
+    round's loss log; the resumed run must equal an uninterrupted one, its exported final state
+    (fingerprint in summary.json) included."""
+    from tests.resume_helpers import (
+        assert_resumed_equals,
+        kill_after_checkpoint,
+        resume,
+        run_to_end,
+        write_config,
+    )
+
+    rounds = 6
+    config = {
+        "name": "resume-fedvr",
+        "seed": 3,
+        "rounds": rounds,
+        "threads": 1,
+        "dataset": {"name": "digits_embedded", "resolution": 16, "cache_dir": str(tmp_path / "c")},
+        "split": {"scheme": "lodo", "targets": ["grey"], "pilot_fraction": 0.1},
+        "partition": {"n_clients": 3, "d": 1},
+        "model": {"name": "lenet5", "frozen": True, "head_adapter": 8},
+        "train": {"batch_size": 64, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "drop_last": True},  # fmt: skip
+        "eval": {"every": 2},
+        "checkpoint": {"every": 1},
+        "algorithm": {"name": "fedvr", "embed_dim": 8, "hidden": 16, "encoder_hidden": 16},
+    }
+    path = write_config(tmp_path / "fedvr.yaml", config)
+    run_to_end(path, tmp_path / "reference")
+    out = tmp_path / "killed"
+    state = kill_after_checkpoint(path, out, min_round=2)
+    assert state["round"] < rounds
+    server = state["server"]
+    assert float(server["hnet"]["statistics"].abs().sum()) > 0  # collected before round 1
+    assert list(server["pilot"]) == ["grey"] and server["round_log"]["coef"]
+    resume(out)
+    assert_resumed_equals(out, tmp_path / "reference")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["server_state"]["file"] == "server_state.pt"
