@@ -13,7 +13,10 @@ each for the hFedF CNN). ``HFedFServer.diagnostics()`` exposes GradAlign's cosin
 the embeddings and the per-layer weight divergence between client models (§5.3-5.4).
 
 The hypernetwork, the VJP and the server optimiser are shared with pFedHN (``pfedhn.py``), which
-is the sequential, one-client-per-step ancestor of this method.
+is the sequential, one-client-per-step ancestor of this method, and with FedVR (``fedvr.py``),
+which conditions the same hypernetwork on client statistics through an encoder and replaces
+GradAlign by its own weights. Which model scores the unseen domain is the explicit option
+``ood_model`` (default ``own``: each client's generated model, hfedf.md §2.5).
 """
 
 from __future__ import annotations
