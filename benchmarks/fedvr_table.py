@@ -44,7 +44,9 @@ def run_rows(root: Path) -> list[dict]:
                 "ece": final["ood_ece"],
                 "l_var": final.get("diagnostics", {}).get("loss_var_across_clients"),
                 "b3": np.mean([max(a) / min(a) > 1.05 for a in alpha]) if alpha else None,
-                "b6": np.mean([d["coef_min"] < 0 for d in diag if "coef_min" in d]) if alpha else None,
+                "b6": np.mean([d["coef_min"] < 0 for d in diag if "coef_min" in d])
+                if alpha
+                else None,
                 "cos": np.mean(final["diagnostics"]["cos_to_update"]) if alpha else None,
                 "wall": summary["wall_time_s"],
             }
@@ -74,7 +76,10 @@ def main(root: Path) -> None:
     print("| method | targets | mean id | mean ood | mean worst-client id | mean ood ECE |")
     print("|---|---:|---:|---:|---:|---:|")
     for method, rs in sorted(by_method.items()):
-        mean = lambda k: float(np.mean([r[k] for r in rs]))  # noqa: E731
+
+        def mean(key: str, rs: list[dict] = rs) -> float:
+            return float(np.mean([r[key] for r in rs]))
+
         print(
             f"| {method} | {len(rs)} | {pct(mean('id'))} | {pct(mean('ood'))} | "
             f"{pct(mean('worst_client_id'))} | {pct(mean('ece'))} |"

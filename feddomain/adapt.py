@@ -79,7 +79,11 @@ def read_images(
                 f"{what} folder {folder} has class folders {unknown} that the model does not "
                 f"know; its classes are {list(classes or ())}"
             )
-        files = [(f, (classes or found).index(d.name)) for d in subfolders for f in _images(d, IMAGE_SUFFIXES)]  # fmt: skip
+        files = [
+            (f, (classes or found).index(d.name))
+            for d in subfolders
+            for f in _images(d, IMAGE_SUFFIXES)
+        ]
     else:
         found = None
         files = [(f, UNLABELED) for f in _images(folder, IMAGE_SUFFIXES)]
@@ -206,7 +210,9 @@ def adapt(
         arrays = {k: v.detach().clone() for k, v in run.server.synthesise(stats).items()}
     kind = "zero-shot"
     if shots is not None:
-        arrays = fine_tune(run, arrays, features(cfg, shots.images, n_classes), shots.labels, epochs)
+        arrays = fine_tune(
+            run, arrays, features(cfg, shots.images, n_classes), shots.labels, epochs
+        )
         kind = f"few-shot ({len(shots.labels)} labelled images)"
     payload = {
         "format": FORMAT,
@@ -282,7 +288,9 @@ def evaluate(model_file: Path, folder: Path, *, resize: bool = False) -> str:
     data = read_images(folder, cfg.dataset.resolution, classes=classes, resize=resize, what="image")
     x = features(cfg, data.images, len(classes))
     m = cfg.model
-    model = head_model(payload["n_features"], len(classes), hidden=m.head_hidden, adapter=m.head_adapter)  # fmt: skip
+    model = head_model(
+        payload["n_features"], len(classes), hidden=m.head_hidden, adapter=m.head_adapter
+    )
     set_arrays(model, payload["arrays"])
     probs = predict_probs(model, ClientData(x, data.labels), cfg.eval.batch_size)
     if data.classes is None:

@@ -189,8 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ada.add_argument("run", type=Path, help="a finished FedVR run directory (lodo-<target>)")
     ada.add_argument("--pilot", type=Path, help="folder of the site's images (flat or <class>/)")
-    ada.add_argument("--shots", type=Path, help="few-shot: folder <class>/<image> of labelled images")
-    ada.add_argument("--epochs", type=int, default=None, help="few-shot epochs (default: the run's)")
+    ada.add_argument(
+        "--shots", type=Path, help="few-shot: folder <class>/<image> of labelled images"
+    )
+    ada.add_argument(
+        "--epochs", type=int, default=None, help="few-shot epochs (default: the run's)"
+    )
     ada.add_argument("--resize", action="store_true", help="resize images of another size")
     ada.add_argument("--out", type=Path, required=True, help="model file to write (new)")
     ada.set_defaults(func=cmd_adapt)
@@ -207,7 +211,16 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_adapt(args: argparse.Namespace) -> None:
     from feddomain.adapt import adapt
 
-    print(adapt(args.run, args.pilot, args.out, shots_dir=args.shots, epochs=args.epochs, resize=args.resize))  # fmt: skip
+    print(
+        adapt(
+            args.run,
+            args.pilot,
+            args.out,
+            shots_dir=args.shots,
+            epochs=args.epochs,
+            resize=args.resize,
+        )
+    )
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:

@@ -16,7 +16,6 @@ from PIL import Image
 from feddomain.adapt import load_model_file, load_run
 from feddomain.cli import main
 from feddomain.config import load_config
-from feddomain.data.federated import federations
 
 CONFIG = {
     "rounds": 2,
@@ -50,7 +49,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = {}
     for seed in (0, 1):
         config = root / f"fedvr{seed}.yaml"
-        config.write_text(yaml.safe_dump({**CONFIG, "seed": seed, "dataset": {**CONFIG["dataset"], "cache_dir": str(root / "cache")}}))  # fmt: skip
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    **CONFIG,
+                    "seed": seed,
+                    "dataset": {**CONFIG["dataset"], "cache_dir": str(root / "cache")},
+                }
+            )
+        )
         assert main(["run", str(config), "--out", str(root / f"run{seed}"), "--quiet"]) == 0
         out[seed] = root / f"run{seed}"
     cfg = load_config(root / "fedvr0.yaml")
@@ -90,7 +97,19 @@ def test_adapt_on_the_runs_own_pilot_images_gives_its_zero_shot_model(trained, t
     normalisation, statistics or generation): the same pilot images, read back from PNG files,
     must give the model the run scored as ood, and `evaluate` its ood accuracy."""
     model_file = tmp_path / "site.pt"
-    assert main(["adapt", str(trained["run"]), "--pilot", str(trained["pilot"]), "--out", str(model_file)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "adapt",
+                str(trained["run"]),
+                "--pilot",
+                str(trained["pilot"]),
+                "--out",
+                str(model_file),
+            ]
+        )
+        == 0
+    )
     line = said(capsys)
     assert line.startswith("adapt: zero-shot model for") and "no labels read" in line
     payload = load_model_file(model_file)
@@ -114,7 +133,21 @@ def test_few_shot_fine_tunes_the_zero_shot_model_on_the_labelled_shots(trained, 
     shots = write_png_folder(tmp_path / "shots", images, torch.arange(40) % len(classes), classes)
     zero, few = tmp_path / "zero.pt", tmp_path / "few.pt"
     assert main(["adapt", str(trained["run"]), "--pilot", str(shots), "--out", str(zero)]) == 0
-    assert main(["adapt", str(trained["run"]), "--shots", str(shots), "--epochs", "20", "--out", str(few)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "adapt",
+                str(trained["run"]),
+                "--shots",
+                str(shots),
+                "--epochs",
+                "20",
+                "--out",
+                str(few),
+            ]
+        )
+        == 0
+    )
     assert "few-shot (40 labelled images)" in said(capsys)
     from feddomain.adapt import features, read_images
 
@@ -192,7 +225,12 @@ def test_a_run_of_another_method_and_a_foreign_model_file_are_refused(tmp_path, 
     assert main(["run", str(config), "--out", str(tmp_path / "run"), "--quiet"]) == 0
     pilot = tmp_path / "p"
     pilot.mkdir()
-    assert main(["adapt", str(tmp_path / "run"), "--pilot", str(pilot), "--out", str(tmp_path / "a.pt")]) == 2  # fmt: skip
+    assert (
+        main(
+            ["adapt", str(tmp_path / "run"), "--pilot", str(pilot), "--out", str(tmp_path / "a.pt")]
+        )
+        == 2
+    )
     assert "is a fedavg run; adapt needs a FedVR run" in said(capsys)
     torch.save({"weights": torch.zeros(1)}, tmp_path / "foreign.pt")
     assert main(["evaluate", str(tmp_path / "foreign.pt"), str(pilot)]) == 2

@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from feddomain.algorithms import resolve_method
-from feddomain.algorithms.base import ClientContext, ServerContext
+from feddomain.algorithms.base import ServerContext
 from feddomain.algorithms.fedvr import (
     STATS_ARRAY,
     FedVRClient,
@@ -25,11 +24,10 @@ from feddomain.algorithms.fedvr import (
     variance_shift,
 )
 from feddomain.algorithms.hfedf import DomainEncoder, client_gradients
-from feddomain.config import validate_config
 from feddomain.errors import ConfigError, DataError
 from feddomain.federation.data import UNLABELED, ClientData
 from feddomain.federation.messages import Message
-from feddomain.federation.training import get_arrays, set_arrays
+from feddomain.federation.training import set_arrays
 from feddomain.models.frozen import head_model
 from tests.engine_helpers import run_sim, tiny_config, tiny_dataset, tiny_federation
 
@@ -126,7 +124,9 @@ def test_a1_only_the_head_trains_on_cached_features(tmp_path: Path) -> None:
     cache equals the eval-mode forward: tests/test_frozen_features.py)."""
     sim = run_sim(frozen_config(tmp_path, rounds=1), tmp_path / "run")
     assert set(sim.model.state_dict()) == {
-        f"{p}.{t}" for p in ("featurizer.down", "featurizer.up", "classifier") for t in ("weight", "bias")
+        f"{p}.{t}"
+        for p in ("featurizer.down", "featurizer.up", "classifier")
+        for t in ("weight", "bias")
     }
     assert sim.data.train[0].inputs.dim() == 2  # clients hold feature rows, not images
 
@@ -178,7 +178,13 @@ def test_a4_variance_gradient_formula_on_quadratics() -> None:
     gradient of (1/N) Σ (L_i − L̄)² on differentiable L_i(ψ)."""
     g = torch.Generator().manual_seed(0)
     psi = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
-    quads = [(torch.randn(4, 5, dtype=torch.float64, generator=g), torch.randn(4, dtype=torch.float64, generator=g)) for _ in range(3)]  # fmt: skip
+    quads = [
+        (
+            torch.randn(4, 5, dtype=torch.float64, generator=g),
+            torch.randn(4, dtype=torch.float64, generator=g),
+        )
+        for _ in range(3)
+    ]
     losses = torch.stack([0.5 * ((a @ psi - b) ** 2).sum() for a, b in quads])
     (auto,) = torch.autograd.grad(((losses - losses.mean()) ** 2).mean(), psi, retain_graph=True)
     grads = [torch.autograd.grad(loss, psi, retain_graph=True)[0] for loss in losses]
@@ -234,7 +240,9 @@ def test_a5_vjp_through_encoder_and_hypernetwork_matches_autograd_and_finite_dif
     n_phi = len(server.hnet.conditioning())
     for i in range(3):
         phi = torch.cat([t.reshape(-1) for t in auto[i][:n_phi]])
-        trunk = torch.cat([t.reshape(-1) for t in auto[i][n_phi : n_phi + len(server.hnet.trunk.state_dict())]])  # fmt: skip
+        trunk = torch.cat(
+            [t.reshape(-1) for t in auto[i][n_phi : n_phi + len(server.hnet.trunk.state_dict())]]
+        )
         assert torch.allclose(grads.nu[i], phi, atol=1e-12, rtol=0)
         assert torch.allclose(grads.trunk[i], trunk, atol=1e-12, rtol=0)
         assert float(grads.nu[i].abs().max()) > 1e-6  # g_φ,i is non-zero
@@ -377,7 +385,9 @@ def test_a8_the_run_level_ood_is_the_zero_shot_model_and_clients_stay_a_diagnost
         theta = server.hnet.generate(server.hnet.encoder(stats))
     model = server.ctx.model_factory()
     record = sim.records[-1]
-    assert record["ood_acc"] == pytest.approx(accuracy(model, theta, sim.data.targets[domain]), abs=1e-12)
+    assert record["ood_acc"] == pytest.approx(
+        accuracy(model, theta, sim.data.targets[domain]), abs=1e-12
+    )
     clients = [accuracy(model, server.generated(c), sim.data.targets[domain]) for c in range(3)]
     assert record["client_ood_acc"] == pytest.approx(float(np.mean(clients)), abs=1e-12)
 
@@ -393,7 +403,9 @@ def test_a9_without_weights_or_regulariser_the_step_is_sgd_on_the_mean_vjp() -> 
     deltas = random_deltas(server, seed=4)
     g = surrogate_gradients(server, deltas)
     before = [p.detach().clone() for p in server.trainable()]
-    server.aggregate(1, iter((c, reply(deltas[c], [3.0, 0.1, 1.0][c], [1.0, 0.0, 5.0][c])) for c in range(3)))  # fmt: skip
+    server.aggregate(
+        1, iter((c, reply(deltas[c], [3.0, 0.1, 1.0][c], [1.0, 0.0, 5.0][c])) for c in range(3))
+    )
     assert server.round_log["coef"] == [1 / 3] * 3
     for k, (p, p0) in enumerate(zip(server.trainable(), before, strict=True)):
         expected = p0.double() - lr * sum(g[i][k].double() for i in range(3)) / 3
@@ -557,7 +569,13 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path: Path) -> No
         "split": {"scheme": "lodo", "targets": ["grey"], "pilot_fraction": 0.1},
         "partition": {"n_clients": 3, "d": 1},
         "model": {"name": "lenet5", "frozen": True, "head_adapter": 8},
-        "train": {"batch_size": 64, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "drop_last": True},  # fmt: skip
+        "train": {
+            "batch_size": 64,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "momentum": 0.9,
+            "drop_last": True,
+        },
         "eval": {"every": 2},
         "checkpoint": {"every": 1},
         "algorithm": {"name": "fedvr", "embed_dim": 8, "hidden": 16, "encoder_hidden": 16},

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from feddomain.federation.training import pack_ensemble, unpack_ensemble
 from feddomain.models import build_model
 from tests.engine_helpers import run_sim, tiny_config
-from tests.test_flower import task_identity  # noqa: F401 - fixture
 from tests.test_unseen_domain import acc_and_nll
 
 
@@ -85,7 +84,10 @@ def test_an_ensemble_packs_and_unpacks_in_member_order() -> None:
     members = [{"w": torch.full((2,), float(k)), "b": torch.tensor([k])} for k in range(12)]
     unpacked = unpack_ensemble(pack_ensemble(members))
     assert unpacked is not None and len(unpacked) == 12
-    assert all(torch.equal(u["w"], m["w"]) and torch.equal(u["b"], m["b"]) for u, m in zip(unpacked, members, strict=True))  # fmt: skip
+    assert all(
+        torch.equal(u["w"], m["w"]) and torch.equal(u["b"], m["b"])
+        for u, m in zip(unpacked, members, strict=True)
+    )
     assert unpack_ensemble({"w": torch.zeros(1)}) is None
 
 
@@ -96,8 +98,18 @@ def test_a_bad_ood_model_is_refused_by_name() -> None:
         tiny_config(algorithm={"name": "hfedf", "ood_model": "zero_shot"})
 
 
+@pytest.fixture
+def flower_task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a ServerApp process knows about itself (as test_flower.py's ``task_identity``)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+
 @pytest.mark.parametrize("choice", ["ensemble", "parameter_average"])
-def test_the_unseen_domain_model_on_flower_equals_the_simulator(choice, tmp_path, task_identity):
+@pytest.mark.usefixtures("flower_task_identity")
+def test_the_unseen_domain_model_on_flower_equals_the_simulator(choice, tmp_path):
     """Catches a packed ensemble (or an averaged model) that the ServerApp/ClientApp path
     scores differently from the simulator (it travels as one model offer to a target node)."""
     from tests.test_flower import assert_same_run, demo_config, deploy_loopback, simulate

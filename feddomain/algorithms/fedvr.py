@@ -1,4 +1,5 @@
-"""FedVR (Gupta, Shanker, Sethi): a variance-regularised hypernetwork conditioned on data statistics.
+"""FedVR (Gupta, Shanker, Sethi): a variance-regularised hypernetwork conditioned on data
+statistics.
 
 hFedF's synchronous hypernetwork trainer (``hfedf.SynchronousServer``) with three pieces swapped
 in (fedvr.md §3):
@@ -101,7 +102,8 @@ class FedVRHparams(SynchronousHparams):
     def _consistent(self) -> FedVRHparams:
         if self.gradalign and self.tau > 0:
             raise ValueError(
-                f"gradalign=true replaces the softmax(-tau*V) weights; set tau=0 (got tau={self.tau})"
+                "gradalign=true replaces the softmax(-tau*V) weights; set tau=0 "
+                f"(got tau={self.tau})"
             )
         if self.conditioning == "table" and self.ood_model == "zero_shot":
             raise ValueError(
@@ -441,8 +443,12 @@ def check_config(cfg: Any, hp: FedVRHparams) -> None:
 
 
 _VARIANTS: list[tuple[str, type[FedVRHparams], str]] = [
-    ("fedvr", FedVRHparams, "FedVR: variance-regularised hypernetwork with data-statistics "
-     "embeddings and zero-shot models for unseen sites (Gupta et al.)"),
+    (
+        "fedvr",
+        FedVRHparams,
+        "FedVR: variance-regularised hypernetwork with data-statistics "
+        "embeddings and zero-shot models for unseen sites (Gupta et al.)",
+    ),
     ("fedvr_no_var", NoVarHparams, "FedVR without the variance regulariser (lambda_var = 0)"),
     ("fedvr_uniform", UniformHparams, "FedVR with uniform client weights (tau = 0)"),
     ("fedvr_plain", PlainHparams, "FedVR with neither (synchronous pFedHN, encoder conditioning)"),
