@@ -357,7 +357,9 @@ def test_every_method_on_flower_equals_the_simulator(
         ]
     cfg = demo_config(f"algorithm.name={method}", *cheap.get(method, []))
     sim = simulate(cfg, tmp_path / "sim")
-    grid = deploy_loopback(cfg, tmp_path / "flower")
+    # a node featurising its data (frozen mode) takes longer than 5 s to describe it under load
+    slow = {"node_timeout": 60.0} if cfg.model.frozen else {}
+    grid = deploy_loopback(cfg, tmp_path / "flower", **slow)
     out = tmp_path / "flower"
     # per-client state lives in each node's Context.state, under its own client only
     for node, context in grid.contexts.items():
