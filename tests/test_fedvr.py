@@ -592,3 +592,40 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path: Path) -> No
     assert_resumed_equals(out, tmp_path / "reference")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["server_state"]["file"] == "server_state.pt"
+
+
+# ----------------------------------------------------------------------------- §5 metrics
+
+
+def test_alignment_and_embedding_metrics_by_hand() -> None:
+    """Catches wrong §5 diagnostics: cosines of each g_i to the step and to the mean, the mean
+    pairwise cosine (orthogonal unit gradients: 1/√2, 0), and the embedding spread and the
+    zero-shot embedding's distances (a 3-4-5 triangle)."""
+    from feddomain.algorithms.fedvr import cosine_diagnostics, embedding_geometry
+
+    gram = torch.eye(2, dtype=torch.float64)
+    half = cosine_diagnostics(gram, torch.tensor([0.5, 0.5]))
+    assert half["cos_to_update"] == pytest.approx([2**-0.5] * 2, abs=1e-11)
+    assert half["cos_pairwise_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert half["grad_norm"] == [1.0, 1.0]
+    first = cosine_diagnostics(gram, torch.tensor([1.0, 0.0]))
+    assert first["cos_to_update"] == pytest.approx([1.0, 0.0], abs=1e-12)
+    assert first["cos_to_mean"] == pytest.approx([2**-0.5] * 2, abs=1e-11)
+    geo = embedding_geometry(torch.tensor([[0.0, 0.0], [3.0, 4.0]]), torch.tensor([0.0, 0.0]))
+    assert geo["embedding_l2_mean"] == pytest.approx(5.0)
+    assert geo["zero_shot_l2_to_clients"] == pytest.approx([0.0, 5.0])
+    assert geo["zero_shot_l2_to_centroid"] == pytest.approx(2.5)
+
+
+def test_every_evaluated_round_logs_the_fairness_and_alignment_metrics(tmp_path: Path) -> None:
+    """Catches a round whose metrics lack §5's per-round values (L_var from the clients'
+    reported losses, α, c, cosines, embedding spread) or the run-level worst client and ECE."""
+    sim = run_sim(frozen_config(tmp_path, rounds=2), tmp_path / "run")
+    for record in sim.records:
+        d = record["diagnostics"]
+        ell = np.array(d["loss_mean"])
+        assert d["loss_var_across_clients"] == pytest.approx(float(np.var(ell)), abs=1e-15)
+        assert len(d["alpha"]) == len(d["coef"]) == len(d["cos_to_update"]) == 3
+        assert "embedding_l2_mean" in d and "zero_shot_l2_to_centroid" in d
+        assert record["id_spread"]["min"] == min(record["per_client"]["id_acc"])
+        assert 0.0 <= record["ood_ece"] <= 1.0
