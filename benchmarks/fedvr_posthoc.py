@@ -30,6 +30,7 @@ CHOICES = ("zero_shot", "own", "mean_embedding", "parameter_average", "ensemble"
 
 def main(run_dir: Path) -> None:
     run = load_run(run_dir)
+    torch.set_num_threads(run.cfg.torch_threads)
     (data,) = federations(run.cfg)
     with tempfile.TemporaryDirectory() as tmp:
         sim = Simulation(run.cfg, data, Path(tmp))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from feddomain.config import load_config
 from feddomain.data.federated import federations
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
+    torch.set_num_threads(cfg.torch_threads)  # as `feddomain run`: no oversubscription
     (data,) = federations(cfg)
     args.out.mkdir(parents=True)
     sim = ChoiceScoring(cfg, data, args.out)
