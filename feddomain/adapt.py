@@ -132,10 +132,15 @@ def load_run(run_dir: Path) -> TrainedRun:
     summary = json.loads(summary_file.read_text())
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
     exported = summary.get("server_state")
-    if method.spec.server is not FedVRServer or exported is None:
+    if method.spec.server is not FedVRServer:
         raise FeddomainError(
             f"{run_dir} is a {cfg.algorithm.name} run; adapt needs a FedVR run (its trained "
             "hypernetwork and domain encoder)"
+        )
+    if exported is None:
+        raise FeddomainError(
+            f"{summary_file} names no exported server state (a run made before feddomain "
+            "exported it); run it again to get server_state.pt"
         )
     if method.hp.conditioning != "encoder":
         raise FeddomainError(
