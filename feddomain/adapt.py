@@ -196,6 +196,7 @@ def adapt(
         raise FeddomainError(f"{out} exists; adapt never overwrites a model file")
     run = load_run(run_dir)
     cfg, n_classes = run.cfg, len(run.classes)
+    torch.set_num_threads(cfg.torch_threads)  # as the run: no oversubscription
     resolution = cfg.dataset.resolution
     shots = None
     if shots_dir is not None:
@@ -289,6 +290,7 @@ def evaluate(model_file: Path, folder: Path, *, resize: bool = False) -> str:
 
     payload = load_model_file(model_file)
     cfg = validate_config(payload["config"])
+    torch.set_num_threads(cfg.torch_threads)
     classes = tuple(payload["classes"])
     data = read_images(folder, cfg.dataset.resolution, classes=classes, resize=resize, what="image")
     x = features(cfg, data.images, len(classes))
