@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from feddomain.algorithms import resolve_method
 from feddomain.algorithms.base import ServerContext
@@ -194,12 +195,14 @@ def test_a4_variance_gradient_formula_on_quadratics() -> None:
     assert float(shift.sum()) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_a4_a5_a9_the_server_step_equals_the_hand_combined_gradients() -> None:
+@pytest.mark.parametrize("on_phi", [False, True])
+def test_a4_a5_a9_the_server_step_equals_the_hand_combined_gradients(on_phi: bool) -> None:
     """Catches a wrong combination Σ c_i g_i (c_i = α_i + (2λ/N)(L̄_i − L̄), Σ c_i = 1), the
-    variance term reaching φ (Alg. 1: ψ only), or a step other than plain SGD ψ − η·G. g_i here
-    is autograd's gradient of the surrogate Σ⟨θ_i^0, stopgrad(Δ_i)⟩, not the factored VJP."""
+    variance term reaching φ (Alg. 1: ψ only) or missing there with `var_reg_on_phi`, or a step
+    other than plain SGD ψ − η·G. g_i here is autograd's gradient of the surrogate
+    Σ⟨θ_i^0, stopgrad(Δ_i)⟩, not the factored VJP."""
     lr, lam, tau = 0.5, 0.7, 3.0
-    server = make_server(lr_s=lr, lambda_var=lam, tau=tau)
+    server = make_server(lr_s=lr, lambda_var=lam, tau=tau, var_reg_on_phi=on_phi)
     set_statistics(server)
     deltas = random_deltas(server)
     losses, variances = [1.2, 0.7, 0.95], [0.02, 0.11, 0.05]
@@ -219,7 +222,7 @@ def test_a4_a5_a9_the_server_step_equals_the_hand_combined_gradients() -> None:
         float(((ell - ell.mean()) ** 2).mean()), abs=1e-15
     )
     for k, (p, p0) in enumerate(zip(server.trainable(), before, strict=True)):
-        w = alpha if k < n_phi else c  # φ: Σ α g; ψ: Σ α g + λ G_var
+        w = alpha if k < n_phi and not on_phi else c  # φ: Σ α g (Alg. 1); ψ: + λ G_var
         expected = p0.double() - lr * sum(w[i] * g[i][k].double() for i in range(3))
         scale = max(float(p0.abs().max()), 1.0)
         assert torch.allclose(p.detach().double(), expected, atol=1e-6 * scale, rtol=0), k
@@ -629,3 +632,34 @@ def test_every_evaluated_round_logs_the_fairness_and_alignment_metrics(tmp_path:
         assert "embedding_l2_mean" in d and "zero_shot_l2_to_centroid" in d
         assert record["id_spread"]["min"] == min(record["per_client"]["id_acc"])
         assert 0.0 <= record["ood_ece"] <= 1.0
+
+
+@pytest.mark.parametrize("source", ["init_model_full_pass", "gap"])
+def test_the_loss_in_the_penalty_can_be_a_full_pass_or_the_gap(source: str, tmp_path: Path) -> None:
+    """Catches `var_loss_source` options reporting another loss than θ_i^0's mean cross-entropy
+    on all of D_i^tr (full pass) or that minus θ_i^final's (gap), both recomputed here."""
+    cfg = frozen_config(tmp_path, {"name": "fedvr", "var_loss_source": source}, rounds=1)
+    sim = run_sim(cfg, tmp_path / "run")
+    server: FedVRServer = sim.server
+    theta0 = {k: v.clone() for k, v in server.generated(1).items()}
+    ctx = sim._context(1, 2, torch.Generator().manual_seed(0))
+    out = FedVRClient(server.hp).run(Message("fit", theta0), ctx)
+    model = server.ctx.model_factory()
+    data = sim.data.train[1]
+
+    def ce(arrays: dict) -> float:
+        set_arrays(model, arrays)
+        with torch.no_grad():
+            return float(F.cross_entropy(model(data.inputs).double(), data.labels))
+
+    trained = {k: theta0[k] - out.arrays[k] for k in theta0}
+    expected = ce(theta0) if source == "init_model_full_pass" else ce(theta0) - ce(trained)
+    assert out.scalars["loss_mean"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_mean_and_std_statistics_by_hand() -> None:
+    """Catches `stats: mean+std` sending another vector than [mean, population std]."""
+    x = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
+    data = ClientData(x, torch.zeros(2, dtype=torch.int64))
+    assert feature_statistics(data, "mean").tolist() == [2.0, 4.0]
+    assert feature_statistics(data, "mean+std").tolist() == [2.0, 4.0, 1.0, 2.0]
