@@ -100,7 +100,9 @@ def config_reference() -> str:
     for name, spec in sorted(METHODS.items()):
         parts += [f"### `{name}`", "", spec.description, ""]
         fields = spec.hparams.model_fields
-        parts += _table(fields, "algorithm.") if fields else ["No hyper-parameters.", ""]
+        meanings = {k: _inherited_meaning(spec.hparams, k) for k in fields}
+        table = _table(fields, "algorithm.", meanings)
+        parts += table if fields else ["No hyper-parameters.", ""]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -122,10 +124,23 @@ def _is_section(field: FieldInfo) -> bool:
     return isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
 
 
-def _table(fields: dict[str, FieldInfo], prefix: str) -> list[str]:
+def _inherited_meaning(model: type[BaseModel], key: str) -> str:
+    """The field's meaning, or, where a subclass only fixes its value (hFedF's ablations set
+    ``gradalign: false``), the nearest base class's."""
+    for cls in model.__mro__:
+        fields = getattr(cls, "model_fields", {})
+        if key in fields and fields[key].description:
+            return fields[key].description
+    return ""
+
+
+def _table(
+    fields: dict[str, FieldInfo], prefix: str, meanings: dict[str, str] | None = None
+) -> list[str]:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, field in fields.items():
-        meaning = " ".join((field.description or "").split())
+        text = (meanings or {}).get(key) or field.description or ""
+        meaning = " ".join(text.split())
         rows.append(
             f"| `{prefix}{key}` | {_type(field)} | `{_default(field)}` | {_cell(meaning)} |"
         )

@@ -187,9 +187,54 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("overrides", nargs="*", help="dotted overrides, as for `feddomain run`")
     exp.add_argument("--out", type=Path, required=True, help="new folder for the sites")
     exp.set_defaults(func=cmd_export)
+    ada = sub.add_parser(
+        "adapt",
+        help="a model for a new site from a FedVR run and its unlabeled images (zero-shot)",
+        description="Synthesise a new site's model from a finished FedVR run: the frozen "
+        "backbone's mean feature of the site's unlabeled images (the pilot set) goes through the "
+        "trained domain encoder and hypernetwork; no labels, no training (fedvr.md §3.6). With "
+        "--shots the model is then fine-tuned on a few labelled images (few-shot).",
+    )
+    ada.add_argument("run", type=Path, help="a finished FedVR run directory (lodo-<target>)")
+    ada.add_argument("--pilot", type=Path, help="folder of the site's images (flat or <class>/)")
+    ada.add_argument(
+        "--shots", type=Path, help="few-shot: folder <class>/<image> of labelled images"
+    )
+    ada.add_argument(
+        "--epochs", type=int, default=None, help="few-shot epochs (default: the run's)"
+    )
+    ada.add_argument("--resize", action="store_true", help="resize images of another size")
+    ada.add_argument("--out", type=Path, required=True, help="model file to write (new)")
+    ada.set_defaults(func=cmd_adapt)
+    ev = sub.add_parser("evaluate", help="score a model file from `feddomain adapt` on images")
+    ev.add_argument("model", type=Path, help="model file written by `feddomain adapt`")
+    ev.add_argument("folder", type=Path, help="<class>/<image> (accuracy, ECE) or flat images")
+    ev.add_argument("--resize", action="store_true", help="resize images of another size")
+    ev.set_defaults(func=cmd_evaluate)
     add_flower_commands(sub)
     add_sweep_command(sub)
     return p
+
+
+def cmd_adapt(args: argparse.Namespace) -> None:
+    from feddomain.adapt import adapt
+
+    print(
+        adapt(
+            args.run,
+            args.pilot,
+            args.out,
+            shots_dir=args.shots,
+            epochs=args.epochs,
+            resize=args.resize,
+        )
+    )
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from feddomain.adapt import evaluate
+
+    print(evaluate(args.model, args.folder, resize=args.resize))
 
 
 # --------------------------------------------------------------------------- list

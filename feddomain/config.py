@@ -142,6 +142,10 @@ class ModelConfig(Section):
     every image are computed once and cached; only a head on top of them trains."""
     head_hidden: int | None = Field(None, ge=1)
     """Frozen mode: null for a linear head, else the width of one hidden ReLU layer."""
+    head_adapter: int | None = Field(None, ge=1)
+    """Frozen mode: rank of a residual bottleneck adapter on the feature before the linear head
+    (FedVR's client model, r = 64; starts as the identity); null: none. Exclusive with
+    `head_hidden`."""
     backbone_resolution: int | None = Field(None, ge=8)
     """Frozen mode: image side the backbone sees (e.g. 224); null: `dataset.resolution`."""
 
@@ -391,6 +395,7 @@ def _check_model(cfg: ExperimentConfig) -> None:
             options=m.options,
             frozen=m.frozen,
             head_hidden=m.head_hidden,
+            head_adapter=m.head_adapter,
         )
     except (TypeError, ValueError) as err:
         raise ConfigError(f"model {m.name!r} with options {m.options}: {err}") from None

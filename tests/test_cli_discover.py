@@ -110,11 +110,6 @@ def test_config_reference_is_current_and_documents_every_key():
             assert f"| `algorithm.{key}` |" in text.split(f"### `{name}`")[1].split("###")[0]
 
 
-# TODO(issue 17 item 5): hfedf's and pfedhn's hyper-parameters get their meanings in another
-# branch (feddomain/algorithms/hfedf.py, pfedhn.py); remove this exemption once it is merged.
-PENDING_MEANINGS = ("feddomain.algorithms.hfedf", "feddomain.algorithms.pfedhn")
-
-
 def _meanings(text: str) -> dict[str, dict[str, str]]:
     """The reference's table rows by section: {section heading: {key: meaning}}."""
     sections: dict[str, dict[str, str]] = {}
@@ -150,8 +145,6 @@ def test_config_reference_gives_every_key_and_hyper_parameter_a_meaning():
 
     walk(ExperimentConfig, "")
     for name, spec in METHODS.items():
-        if spec.hparams.__module__ in PENDING_MEANINGS:
-            continue
         rows = sections[f"`{name}`"]
         empty += [
             f"{name}: algorithm.{k}"

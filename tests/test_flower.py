@@ -354,9 +354,19 @@ def test_every_method_on_flower_equals_the_simulator(
         "fedfd_a": ["model.name=small_cnn", "model.options.widths=[8, 16]"],
         "scaffold": ["train.optimizer=sgd", "train.lr=0.05"],  # plain SGD only
     }
+    if method.startswith("fedvr"):  # cached features, the adapter head, a pilot set
+        cheap[method] = [
+            "model.frozen=true",
+            "model.head_adapter=8",
+            "split.pilot_fraction=0.1",
+            "train.drop_last=true",
+            f"dataset.cache_dir={tmp_path / 'cache'}",
+        ]
     cfg = demo_config(f"algorithm.name={method}", *cheap.get(method, []))
     sim = simulate(cfg, tmp_path / "sim")
-    grid = deploy_loopback(cfg, tmp_path / "flower")
+    # a node featurising its data (frozen mode) takes longer than 5 s to describe it under load
+    slow = {"node_timeout": 60.0} if cfg.model.frozen else {}
+    grid = deploy_loopback(cfg, tmp_path / "flower", **slow)
     out = tmp_path / "flower"
     # per-client state lives in each node's Context.state, under its own client only
     for node, context in grid.contexts.items():

@@ -59,7 +59,9 @@ def declared_model_bytes(sim, uploads: Uploads) -> int:
     )
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# FedVR runs on cached features only, and its statistics vector is as wide as the features:
+# its ledger is counted by hand in tests/test_fedvr.py.
+@pytest.mark.parametrize("method", sorted(m for m in METHODS if not m.startswith("fedvr")))
 def test_every_method_declares_its_uploads_and_the_ledger_counts_exactly_them(method, tmp_path):
     """Catches: a method sending more (or other) than it declares, and a ledger that counts the
     wrong kind or direction (expected bytes come from the declaration and the model shapes)."""

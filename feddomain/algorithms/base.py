@@ -165,6 +165,10 @@ class ClientContext:
 
 
 class ServerAlgorithm(ABC):
+    # True: the runner writes the final state_dict() to the run directory (server_state.pt) with
+    # its fingerprint in summary.json, for tools that build on a finished run (`feddomain adapt`)
+    exports_state: bool = False
+
     def __init__(self, ctx: ServerContext, hp: Hparams) -> None:
         self.ctx = ctx
         self.hp = hp
@@ -352,6 +356,7 @@ def model_requirement(method: str, check: ModelCheck) -> ConfigCheck:
             options=m.options,
             frozen=m.frozen,
             head_hidden=m.head_hidden,
+            head_adapter=m.head_adapter,
         )
         problem = check(skeleton, hp)
         if problem:

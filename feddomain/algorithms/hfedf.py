@@ -13,14 +13,17 @@ each for the hFedF CNN). ``HFedFServer.diagnostics()`` exposes GradAlign's cosin
 the embeddings and the per-layer weight divergence between client models (§5.3-5.4).
 
 The hypernetwork, the VJP and the server optimiser are shared with pFedHN (``pfedhn.py``), which
-is the sequential, one-client-per-step ancestor of this method.
+is the sequential, one-client-per-step ancestor of this method, and with FedVR (``fedvr.py``),
+which conditions the same hypernetwork on client statistics through an encoder and replaces
+GradAlign by its own weights. Which model scores the unseen domain is the explicit option
+``ood_model`` (default ``own``: each client's generated model, hfedf.md §2.5).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -43,7 +46,8 @@ from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
 from feddomain.federation.topology import INIT, SERVER, derive_seed
-from feddomain.federation.training import get_arrays
+from feddomain.federation.training import get_arrays, pack_ensemble
+from feddomain.models.frozen import identity_outputs
 
 # Extra keys of derive_seed that keep the server's draws apart from the runner's.
 _HNET_INIT, _AE_INIT = 1, 2
@@ -51,30 +55,60 @@ _HNET_INIT, _AE_INIT = 1, 2
 # ----------------------------------------------------------------------------- hyper-parameters
 
 
+OodModel = Literal["own", "mean_embedding", "parameter_average", "ensemble"]
+
+
 class HypernetworkHparams(Hparams):
     """Hypernetwork shape and server optimiser (hfedf.md §3.3, §3.8; Table 10, PACS defaults)."""
 
-    embed_dim: int | None = Field(None, ge=1)  # None: L = floor(1 + N/4) (pFedHN's rule)
+    embed_dim: int | None = Field(None, ge=1)
+    """Embedding length L; null: floor(1 + N/4) (pFedHN's rule)."""
     hidden: int = Field(50, ge=1)
-    layers: int = Field(4, ge=1)  # Linear layers in the trunk; LeakyReLU after all but the last
+    """Width of the hypernetwork's trunk."""
+    layers: int = Field(4, ge=1)
+    """Linear layers in the trunk; LeakyReLU after all but the last."""
     server_optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimiser of the hypernetwork on the server."""
     lr_s: float = Field(1e-3, gt=0.0)
-    wd_s: float = Field(1e-5, ge=0.0)  # coupled L2 on θ and ν
-    server_momentum: float = Field(0.0, ge=0.0)  # SGD only
+    """Server learning rate."""
+    wd_s: float = Field(1e-5, ge=0.0)
+    """Coupled L2 weight decay on the hypernetwork and its conditioning (table or encoder)."""
+    server_momentum: float = Field(0.0, ge=0.0)
+    """Momentum of the server's SGD (SGD only)."""
+    ood_model: OodModel = "own"
+    """Which model the unseen (target) domain is scored with: `own` (each client's generated
+    model, ood = their mean: the hFedF paper's protocol), `mean_embedding` (the model generated from the
+    clients' mean embedding), `parameter_average` (the mean of the clients' generated models) or
+    `ensemble` (the clients' generated models' mean predicted probabilities)."""
 
 
-class HFedFHparams(HypernetworkHparams):
+class SynchronousHparams(HypernetworkHparams):
+    """All clients' VJPs per round, one combined step (hFedF, FedVR)."""
+
     gradalign: bool = True
-    gradalign_sign: Literal[1, -1] = 1  # +1: Alg. 3 / the analysis text; -1: §4.2's equation
+    """Weight the clients' gradients by GradAlign (softmax of their cosine to the mean)."""
+    gradalign_sign: Literal[1, -1] = 1
+    """+1: Alg. 3 / the analysis text; -1: §4.2's equation."""
     ema: bool = True
-    ema_alpha: float = Field(0.95, gt=0.0, le=1.0)  # weight on the NEW parameters
-    ema_warmup: int = Field(10, ge=0)  # server step at which the EMA starts
+    """Write an EMA of the hypernetwork back into it after every step from `ema_warmup` on."""
+    ema_alpha: float = Field(0.95, gt=0.0, le=1.0)
+    """EMA weight on the NEW parameters."""
+    ema_warmup: int = Field(10, ge=0)
+    """Server step at which the EMA starts."""
+
+
+class HFedFHparams(SynchronousHparams):
     embedding: Literal["learned", "random", "autoencoder"] = "learned"
-    # autoencoder embeddings (C.2, Table 6): per-client training on a few local images
+    """Client embeddings: a learned table, N(0, 1) re-drawn after every step, or fixed
+    autoencoder latents (C.2, C.3)."""
     ae_images: int = Field(100, ge=1)
+    """Autoencoder embeddings: local images it trains on (Table 6)."""
     ae_epochs: int = Field(50, ge=1)
+    """Autoencoder embeddings: training epochs."""
     ae_batch_size: int = Field(32, ge=1)
+    """Autoencoder embeddings: batch size."""
     ae_lr: float = Field(1e-3, gt=0.0)
+    """Autoencoder embeddings: Adam learning rate."""
 
 
 # The §3.11 ablations as names: each presets (and pins) one or two switches.
@@ -123,8 +157,31 @@ def parameter_shapes(model: nn.Module) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in params.items()}
 
 
+class DomainEncoder(nn.Module):
+    """g_φ: a client's data statistics -> its embedding, ``W2 ReLU(W1 x + b1) + b2``
+    (fedvr.md §3.1): a 2-layer MLP that replaces the embedding table, so a domain never seen in
+    training gets an embedding from its statistics alone."""
+
+    def __init__(self, in_features: int, hidden: int, embed_dim: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.net = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim)
+        )
+
+    def forward(self, stats: Tensor) -> Tensor:
+        return self.net(stats)
+
+
 class HyperNetwork(nn.Module):
-    """ν = Embedding(N, L) -> MLP trunk -> one linear head per client-model tensor (Table 8)."""
+    """Conditioning -> MLP trunk -> one linear head per client-model tensor (hfedf.md Table 8).
+
+    The conditioning is hFedF's learned table ν = Embedding(N, L) by default; with ``encoder``
+    it is FedVR's g_φ over each client's statistics, held in the ``statistics`` buffer (set once
+    the clients report them). Heads named in ``identity`` (a residual adapter's output layer)
+    start at zero, weight and bias, so every generated adapter starts as the identity; their
+    random draws still happen, so the other heads are initialised as without them.
+    """
 
     def __init__(
         self,
@@ -133,9 +190,16 @@ class HyperNetwork(nn.Module):
         embed_dim: int,
         hidden: int = 50,
         layers: int = 4,
+        *,
+        encoder: DomainEncoder | None = None,
+        identity: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(n_clients, embed_dim)  # N(0, 1) init (CHOICE)
+        if encoder is None:
+            self.embeddings = nn.Embedding(n_clients, embed_dim)  # N(0, 1) init (CHOICE)
+        else:
+            self.encoder = encoder
+            self.register_buffer("statistics", torch.zeros(n_clients, encoder.in_features))
         trunk: list[nn.Module] = []
         width = embed_dim
         for k in range(layers):
@@ -146,6 +210,27 @@ class HyperNetwork(nn.Module):
         self.trunk = nn.Sequential(*trunk)
         self.shapes = dict(shapes)
         self.heads = nn.ModuleList(nn.Linear(hidden, math.prod(s)) for s in self.shapes.values())
+        with torch.no_grad():
+            for name, head in zip(self.shapes, self.heads, strict=True):
+                if name in identity:
+                    head.weight.zero_()
+                    head.bias.zero_()
+
+    @property
+    def encoded(self) -> bool:
+        return hasattr(self, "encoder")
+
+    def embedding(self, cid: int) -> Tensor:
+        """Client ``cid``'s embedding: its table row, or g_φ of its statistics."""
+        if self.encoded:
+            return self.encoder(self.statistics[cid])
+        return self.embeddings.weight[cid]
+
+    def embeddings_of(self, cids: list[int]) -> Tensor:
+        """[len(cids), L]: the clients' embeddings, with the graph to the conditioning."""
+        if self.encoded:
+            return torch.stack([self.embedding(c) for c in cids])
+        return self.embeddings.weight[cids]
 
     def generate(self, embedding: Tensor) -> dict[str, Tensor]:
         """The client-model parameters for one embedding vector of length L."""
@@ -156,10 +241,16 @@ class HyperNetwork(nn.Module):
         }
 
     def forward(self, cid: int) -> dict[str, Tensor]:
-        return self.generate(self.embeddings.weight[cid])
+        return self.generate(self.embedding(cid))
+
+    def conditioning(self) -> list[nn.Parameter]:
+        """The conditioning's parameters: ν (the table) or φ (the encoder)."""
+        if self.encoded:
+            return list(self.encoder.parameters())
+        return [self.embeddings.weight]
 
     def theta(self) -> list[nn.Parameter]:
-        """θ: trunk and heads (everything but the embedding table)."""
+        """θ (ψ in FedVR's notation): trunk and heads (everything but the conditioning)."""
         return [*self.trunk.parameters(), *self.heads.parameters()]
 
 
@@ -179,7 +270,8 @@ class ClientGradients:
     deltas: list[Tensor]  # per head: [N, numel_P]
     trunk: Tensor  # [N, |trunk|] trunk-parameter gradients
     trunk_sizes: list[int]
-    nu: Tensor | None  # [N, N_all * L] embedding-table gradients; None when ν is fixed
+    nu: Tensor | None  # [N, |ν| or |φ|] conditioning gradients; None when it is fixed
+    nu_sizes: list[int] = field(default_factory=list)  # the conditioning's tensors' sizes
 
     def theta_gram(self) -> Tensor:
         """G_ij = ⟨g_θ,i, g_θ,j⟩ over trunk and heads, in float64."""
@@ -193,13 +285,13 @@ class ClientGradients:
         return nu @ nu.T
 
     def combine(self, w_theta: Tensor, w_nu: Tensor | None) -> list[Tensor]:
-        """``Σ_i w_i g_i`` per trainable tensor, flat or shaped, in ``trainable()`` order:
-        ν, the trunk's tensors, then each head's weight and bias."""
+        """``Σ_i w_i g_i`` per trainable tensor, flat or shaped, in ``trainable()`` order: the
+        conditioning (ν, or φ flat), the trunk's tensors, then each head's weight and bias."""
         w = w_theta.to(self.z.dtype)
         out: list[Tensor] = []
         if self.nu is not None:
             assert w_nu is not None, "learned embeddings need their own weights"
-            out.append(w_nu.to(self.z.dtype) @ self.nu)
+            out += torch.split(w_nu.to(self.z.dtype) @ self.nu, self.nu_sizes)
         out += torch.split(w @ self.trunk, self.trunk_sizes)
         wz = w[:, None] * self.z
         for d in self.deltas:
@@ -210,13 +302,15 @@ class ClientGradients:
 def client_gradients(
     hnet: HyperNetwork, deltas: dict[int, Arrays], learn_nu: bool = True
 ) -> ClientGradients:
-    """Factored VJPs of the clients' Δ (initial − final) through the hypernetwork. With that
-    sign, a descent step moves each generated model toward its locally trained one (§3.6)."""
+    """Factored VJPs of the clients' Δ (initial − final) through the hypernetwork and, when
+    ``learn_nu``, its conditioning (ν, or the encoder g_φ: the chain rule through e_i = g_φ(x̄_i)
+    with x̄_i constant, fedvr.md §3.3). With that sign, a descent step moves each generated
+    model toward its locally trained one (§3.6)."""
     cids = list(deltas)
-    nu = hnet.embeddings.weight
+    cond = hnet.conditioning() if learn_nu else []
     trunk = list(hnet.trunk.parameters())
-    inputs = [nu, *trunk] if learn_nu else trunk
-    z = hnet.trunk(nu[cids])
+    inputs = [*cond, *trunk]
+    z = hnet.trunk(hnet.embeddings_of(cids))
     stacked = [torch.stack([deltas[c][name].reshape(-1) for c in cids]) for name in hnet.shapes]
     with torch.no_grad():  # ∂L/∂z_i = Σ_P W_Pᵀ Δ_i^P
         dz = sum(d @ head.weight for d, head in zip(stacked, hnet.heads, strict=True))
@@ -226,7 +320,7 @@ def client_gradients(
             for i in range(len(cids))
         ]
     )
-    n_nu = nu.numel() if learn_nu else 0
+    n_nu = sum(p.numel() for p in cond)
     return ClientGradients(
         cids,
         z.detach(),
@@ -234,6 +328,7 @@ def client_gradients(
         rows[:, n_nu:],
         [p.numel() for p in trunk],
         rows[:, :n_nu] if learn_nu else None,
+        [p.numel() for p in cond],
     )
 
 
@@ -307,47 +402,85 @@ class ParameterEMA:
 
 
 class HypernetworkServer(ServerAlgorithm):
-    """What hFedF and pFedHN share: the hypernetwork, generation, the VJP, the optimiser step,
-    evaluation semantics, diagnostics and checkpoints."""
+    """What hFedF, pFedHN and FedVR share: the hypernetwork, generation, the VJP, the optimiser
+    step, the unseen-domain model (``ood_model``), diagnostics and checkpoints."""
+
+    hp: HypernetworkHparams
 
     def __init__(self, ctx: ServerContext, hp: HypernetworkHparams) -> None:
         super().__init__(ctx, hp)
-        shapes = parameter_shapes(ctx.model_factory())
+        model = ctx.model_factory()
+        shapes = parameter_shapes(model)
         self.embed_dim = hp.embed_dim or default_embed_dim(ctx.n_clients)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(ctx.seed, INIT, _HNET_INIT))
-            self.hnet = HyperNetwork(ctx.n_clients, shapes, self.embed_dim, hp.hidden, hp.layers)
+            encoder = self.make_encoder(model)
+            self.hnet = HyperNetwork(
+                ctx.n_clients,
+                shapes,
+                self.embed_dim,
+                hp.hidden,
+                hp.layers,
+                encoder=encoder,
+                identity=identity_outputs(model),
+            )
         if not self.learn_embeddings():
-            self.hnet.embeddings.weight.requires_grad_(False)
+            for p in self.hnet.conditioning():
+                p.requires_grad_(False)
         self.optimizer = make_server_optimizer(self.trainable(), hp)
         self.generator = torch.Generator().manual_seed(derive_seed(ctx.seed, SERVER, 0))
         self.steps = 0
         self.trained_divergence: dict[str, float] = {}
-        self._generated: dict[int | None, Arrays] = {}
+        self._generated: dict[int | str, Arrays] = {}
+
+    def make_encoder(self, model: nn.Module) -> DomainEncoder | None:
+        """The conditioning's encoder (FedVR's g_φ); None: a learned embedding table."""
+        return None
 
     def learn_embeddings(self) -> bool:
         return True
 
     def trainable(self) -> list[nn.Parameter]:
-        """Optimised tensors: ν first (when learnable), then θ."""
-        nu = self.hnet.embeddings.weight
-        return ([nu] if nu.requires_grad else []) + self.hnet.theta()
+        """Optimised tensors: the conditioning first (when learnable), then θ."""
+        cond = [p for p in self.hnet.conditioning() if p.requires_grad]
+        return cond + self.hnet.theta()
 
     # -- generation and evaluation
-    @torch.no_grad()
-    def generated(self, cid: int | None) -> Arrays:
-        """φ_cid from the current hypernetwork (cached until the next step); ``None``: the model
-        of the mean embedding, our stand-in for an unseen domain's client."""
-        if cid not in self._generated:
-            nu = self.hnet.embeddings.weight
-            phi = self.hnet(cid) if cid is not None else self.hnet.generate(nu.mean(0))
-            self._generated[cid] = {k: v.clone() for k, v in phi.items()}
-        return self._generated[cid]
+    def _cached(self, key: int | str, make: Callable[[], Arrays]) -> Arrays:
+        """Generated arrays, kept until the next server step."""
+        if key not in self._generated:
+            with torch.no_grad():
+                self._generated[key] = {k: v.detach().clone() for k, v in make().items()}
+        return self._generated[key]
+
+    def generated(self, cid: int) -> Arrays:
+        """φ_cid from the current hypernetwork."""
+        return self._cached(cid, lambda: self.hnet(cid))
+
+    def client_models(self) -> list[Arrays]:
+        return [self.generated(c) for c in range(self.ctx.n_clients)]
 
     def eval_arrays(self, cid: int | None) -> Arrays | None:
-        """Each client's generated model; no unseen-domain model, so the ood numbers are the mean
-        over the clients' generated models (hfedf.md §2.5). ``generated(None)`` stays available."""
-        return None if cid is None else self.generated(cid)
+        """Client ``cid``'s generated model; for the unseen domain (``cid=None``) the model
+        ``ood_model`` names, or None for `own` (ood = the mean over the clients' models)."""
+        return self.generated(cid) if cid is not None else self.unseen_model()
+
+    def unseen_model(self) -> Arrays | None:
+        """The unseen-domain model of ``hp.ood_model`` (hfedf.md §2.5 scores `own`)."""
+        choice = self.hp.ood_model
+        if choice == "mean_embedding":
+            n = self.ctx.n_clients
+            return self._cached(
+                choice, lambda: self.hnet.generate(self.hnet.embeddings_of(list(range(n))).mean(0))
+            )
+        if choice == "parameter_average":
+            models = self.client_models()
+            return self._cached(
+                choice, lambda: {k: torch.stack([m[k] for m in models]).mean(0) for k in models[0]}
+            )
+        if choice == "ensemble":
+            return pack_ensemble(self.client_models())
+        return None
 
     # -- the server step
     def gradients(self, deltas: dict[int, Arrays]) -> ClientGradients:
@@ -378,11 +511,12 @@ class HypernetworkServer(ServerAlgorithm):
     def diagnostics(self) -> dict[str, Any]:
         """Cheap scalars for metrics: embeddings, per-layer weight divergence between the
         generated client models and between the last round's locally trained models (§5.4)."""
-        generated = [self.generated(c) for c in range(self.ctx.n_clients)]
+        with torch.no_grad():
+            embeddings = self.hnet.embeddings_of(list(range(self.ctx.n_clients)))
         return {
             "server_steps": self.steps,
-            "embeddings": self.hnet.embeddings.weight.detach().tolist(),
-            **weight_divergence(generated, "wd_generated"),
+            "embeddings": embeddings.tolist(),
+            **weight_divergence(self.client_models(), "wd_generated"),
             **self.trained_divergence,
         }
 
@@ -404,15 +538,72 @@ class HypernetworkServer(ServerAlgorithm):
         self._generated.clear()
 
 
-class HFedFServer(HypernetworkServer):
-    """Synchronous rounds: all clients' VJPs, GradAlign, one step, EMA (hfedf.md §3.4)."""
+class SynchronousServer(HypernetworkServer):
+    """Synchronous rounds: all clients' VJPs, their weights (GradAlign or the mean), one step,
+    EMA (hfedf.md §3.4). FedVR replaces the weights (``client_weights``)."""
 
-    hp: HFedFHparams
+    hp: SynchronousHparams
 
-    def __init__(self, ctx: ServerContext, hp: HFedFHparams) -> None:
+    def __init__(self, ctx: ServerContext, hp: SynchronousHparams) -> None:
         super().__init__(ctx, hp)
         self.ema = ParameterEMA(hp.ema_alpha, hp.ema_warmup) if hp.ema else None
         self.gradalign_log: dict[str, list[float] | list[int]] = {}
+
+    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
+        return {cid: Message("fit", self.generated(cid)) for cid in clients}
+
+    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
+        received = dict(replies)
+        if not received:  # every update of the round was rejected
+            return
+        deltas = {cid: msg.arrays for cid, msg in received.items()}
+        trained = {cid: self.trained_model(cid, d) for cid, d in deltas.items()}
+        grads = self.gradients(deltas)
+        w_theta, w_nu = self.client_weights(grads, received)
+        self.apply(grads.combine(w_theta, w_nu))
+        self.record_trained(trained)
+
+    def client_weights(
+        self, grads: ClientGradients, replies: dict[int, Message]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Weights of the clients' gradients for θ and for the conditioning."""
+        w_theta = self._weights(grads.theta_gram(), "theta", grads.cids)
+        w_nu = self._weights(grads.nu_gram(), "nu", grads.cids) if grads.nu is not None else None
+        return w_theta, w_nu
+
+    def _weights(self, gram: Tensor, part: str, cids: list[int]) -> Tensor:
+        """GradAlign weights (or the plain mean without GradAlign); logged for diagnostics."""
+        if self.hp.gradalign:
+            weights, cosines = gradalign_weights(gram, self.hp.gradalign_sign)
+            self.gradalign_log[f"gradalign_c_{part}"] = cosines.tolist()
+        else:
+            weights = torch.full((len(cids),), 1.0 / len(cids), dtype=torch.float64)
+        self.gradalign_log[f"gradalign_w_{part}"] = weights.tolist()
+        self.gradalign_log["gradalign_clients"] = cids
+        return weights
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update(self.trainable(), self.steps)
+
+    def diagnostics(self) -> dict[str, Any]:
+        return {**super().diagnostics(), **self.gradalign_log}
+
+    def state_dict(self) -> dict[str, Any]:
+        ema = self.ema.shadow if self.ema is not None else None
+        return {**super().state_dict(), "ema": ema, "gradalign": self.gradalign_log}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.ema is not None:
+            self.ema.shadow = state["ema"]
+        self.gradalign_log = state["gradalign"]
+
+
+class HFedFServer(SynchronousServer):
+    """hFedF: a learned (or random, or autoencoder) embedding table (hfedf.md §3.4, C.2-C.3)."""
+
+    hp: HFedFHparams
 
     def learn_embeddings(self) -> bool:
         return self.hp.embedding != "autoencoder"
@@ -437,52 +628,12 @@ class HFedFServer(HypernetworkServer):
             self.hnet.embeddings.weight[cid] = reply.arrays["embedding"]
         self._generated.clear()
 
-    # -- rounds
-    def configure(self, rnd: int, clients: list[int]) -> dict[int, Message]:
-        return {cid: Message("fit", self.generated(cid)) for cid in clients}
-
-    def aggregate(self, rnd: int, replies: Iterator[tuple[int, Message]]) -> None:
-        deltas = {cid: msg.arrays for cid, msg in replies}
-        if not deltas:  # every update of the round was rejected
-            return
-        trained = {cid: self.trained_model(cid, d) for cid, d in deltas.items()}
-        grads = self.gradients(deltas)
-        w_theta = self._weights(grads.theta_gram(), "theta", grads.cids)
-        w_nu = self._weights(grads.nu_gram(), "nu", grads.cids) if grads.nu is not None else None
-        self.apply(grads.combine(w_theta, w_nu))
-        self.record_trained(trained)
-
-    def _weights(self, gram: Tensor, part: str, cids: list[int]) -> Tensor:
-        """GradAlign weights (or the plain mean without GradAlign); logged for diagnostics."""
-        if self.hp.gradalign:
-            weights, cosines = gradalign_weights(gram, self.hp.gradalign_sign)
-            self.gradalign_log[f"gradalign_c_{part}"] = cosines.tolist()
-        else:
-            weights = torch.full((len(cids),), 1.0 / len(cids), dtype=torch.float64)
-        self.gradalign_log[f"gradalign_w_{part}"] = weights.tolist()
-        self.gradalign_log["gradalign_clients"] = cids
-        return weights
-
     def after_step(self) -> None:
-        if self.ema is not None:
-            self.ema.update(self.trainable(), self.steps)
+        super().after_step()
         if self.hp.embedding == "random":  # C.3: fresh N(0, 1) embeddings after every step
             nu = self.hnet.embeddings.weight
             with torch.no_grad():
                 nu.copy_(torch.randn(nu.shape, generator=self.generator))
-
-    def diagnostics(self) -> dict[str, Any]:
-        return {**super().diagnostics(), **self.gradalign_log}
-
-    def state_dict(self) -> dict[str, Any]:
-        ema = self.ema.shadow if self.ema is not None else None
-        return {**super().state_dict(), "ema": ema, "gradalign": self.gradalign_log}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if self.ema is not None:
-            self.ema.shadow = state["ema"]
-        self.gradalign_log = state["gradalign"]
 
 
 # ----------------------------------------------------------------------------- client

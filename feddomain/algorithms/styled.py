@@ -56,7 +56,8 @@ class StyleHparams(Hparams):
     """Client style from its clusters: `mixture_moments` (FISC's code: σ of the equal-weight
     mixture) or `mean_of_stats` (the paper's text: mean of the clusters' μ and σ)."""
     style_noise: float = Field(0.0, ge=0.0)
-    """Std of the Gaussian noise added to the uploaded style (ρ·s of the FISC paper's Table 10); 0: off."""
+    """Std of the Gaussian noise added to the uploaded style (ρ·s of the FISC paper's Table 10);
+    0: off."""
 
     @model_validator(mode="after")
     def _weights_match_backend(self) -> StyleHparams:

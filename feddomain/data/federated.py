@@ -359,11 +359,18 @@ def _model_inputs(
 
 def frozen_features(cfg: ExperimentConfig, dataset: DomainDataset) -> torch.Tensor:
     """Backbone features [N, F] of every image, computed once and cached on disk."""
+    return backbone_features(cfg, dataset.images, len(dataset.classes), cached=True)
+
+
+def backbone_features(
+    cfg: ExperimentConfig, images: torch.Tensor, n_classes: int, *, cached: bool
+) -> torch.Tensor:
+    """The configured frozen backbone's features of uint8 ``images`` (``cached``: read from, or
+    written to, the feature cache); the same backbone, weights and normalisation for a run's
+    data and for images seen later (`feddomain adapt`)."""
     m = cfg.model
     torch.manual_seed(derive_seed(cfg.seed, INIT))
-    backbone = build_model(
-        m.name, len(dataset.classes), resolution=cfg.dataset.resolution, **m.options
-    )
+    backbone = build_model(m.name, n_classes, resolution=cfg.dataset.resolution, **m.options)
     norm = input_normalization(m.name) or (
         cfg.train.mean or (0.0,) * 3,
         cfg.train.std or (1.0,) * 3,
@@ -371,12 +378,12 @@ def frozen_features(cfg: ExperimentConfig, dataset: DomainDataset) -> torch.Tens
     cache = Path(cfg.dataset.cache_dir) if cfg.dataset.cache_dir else default_cache_dir()
     return FrozenFeatures.compute(
         backbone,
-        dataset.images,
+        images,
         batch_size=cfg.eval.batch_size,
         mean=norm[0],
         std=norm[1],
         resolution=m.backbone_resolution,
-        cache_dir=cache.expanduser() / "features",
+        cache_dir=cache.expanduser() / "features" if cached else None,
     )
 
 

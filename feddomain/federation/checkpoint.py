@@ -3,6 +3,7 @@ so a run killed at any instant leaves either the previous checkpoint or the new 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -53,3 +54,31 @@ def read(path: Path, remedy: str) -> Any:
 
 def remove(run_dir: Path) -> None:
     (run_dir / FILENAME).unlink(missing_ok=True)
+
+
+def fingerprint(state: Any) -> str:
+    """SHA-256 of a nested state's content (tensors by dtype, shape and bytes; other values by
+    repr): equal for equal states however they were saved, so a file can be matched to its run."""
+    h = hashlib.sha256()
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            flat = obj.detach().cpu().contiguous().reshape(-1)
+            h.update(f"T{flat.dtype}{tuple(obj.shape)}".encode())
+            h.update(memoryview(flat.view(torch.uint8).numpy()))
+        elif isinstance(obj, dict):
+            h.update(b"{")
+            for k in obj:
+                h.update(repr(k).encode())
+                visit(obj[k])
+            h.update(b"}")
+        elif isinstance(obj, list | tuple):
+            h.update(b"[")
+            for v in obj:
+                visit(v)
+            h.update(b"]")
+        else:
+            h.update(repr(obj).encode())
+
+    visit(state)
+    return h.hexdigest()

@@ -51,12 +51,13 @@ from feddomain.federation.topology import (
     generator,
     sampling_stream,
 )
-from feddomain.federation.training import predict_probs, round_lr, set_arrays
+from feddomain.federation.training import predict_probs, round_lr, set_arrays, unpack_ensemble
 from feddomain.models import build_model
 from feddomain.models.frozen import head_model
 
 log = logging.getLogger("feddomain")
 CPU = torch.device("cpu")
+SERVER_STATE = "server_state.pt"  # the final server state of a method that exports it
 
 
 def make_optimizer_factory(
@@ -92,7 +93,9 @@ class Simulation:
         n_classes = len(data.classes)
         if cfg.model.frozen:  # clients hold cached backbone features: train only a head
             n_features = int(data.train[0].inputs.shape[1])
-            build = lambda: head_model(n_features, n_classes, hidden=cfg.model.head_hidden)  # noqa: E731
+            build = lambda: head_model(  # noqa: E731
+                n_features, n_classes, hidden=cfg.model.head_hidden, adapter=cfg.model.head_adapter
+            )
         else:
             build = lambda: build_model(  # noqa: E731
                 cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
@@ -178,6 +181,8 @@ class Simulation:
                 self._save(rnd, self.elapsed + time.perf_counter() - session_start)
         wall = self.elapsed + time.perf_counter() - session_start
         summary = self.summary(wall)
+        if self.server.exports_state:
+            summary["server_state"] = self._export_state()
         _write_json_atomic(self.out / "summary.json", summary)
         checkpoint.remove(self.out)
         return summary
@@ -533,9 +538,22 @@ class Simulation:
         return None if offered is None else self.score_unseen(offered)
 
     def score_unseen(self, arrays: Arrays) -> dict[str, EvalResult]:
-        """``arrays`` on every target domain, loaded as given (no client chooses its model)."""
-        set_arrays(self.model, arrays)
-        return {d: self.score(s) for d, s in self.data.targets.items()}
+        """``arrays`` on every target domain, loaded as given (no client chooses its model); a
+        packed ensemble (``training.pack_ensemble``) is scored by its members' mean predicted
+        probabilities."""
+        members = unpack_ensemble(arrays)
+        if members is None:
+            set_arrays(self.model, arrays)
+            return {d: self.score(s) for d, s in self.data.targets.items()}
+        out = {}
+        for domain, data in self.data.targets.items():
+            probs = []
+            for member in members:
+                set_arrays(self.model, member)
+                with autocast(self.device, self.cfg.precision):
+                    probs.append(predict_probs(self.model, data, self.cfg.eval.batch_size).cpu())
+            out[domain] = evaluate_probs(torch.stack(probs).mean(0), data.labels.cpu())
+        return out
 
     def load_eval_model(self, cid: int, offered: Arrays | None) -> Arrays:
         """Load the model client ``cid`` would use, given the server's offer, into the shared
@@ -599,6 +617,16 @@ class Simulation:
             "wall_time_s": round(wall_time, 3),
         }
         return out
+
+    def _export_state(self) -> dict[str, Any]:
+        """The final server state for tools built on a finished run, and what identifies it."""
+        state = self.server.state_dict()
+        checkpoint.write_atomic(self.out / SERVER_STATE, state)
+        return {
+            "file": SERVER_STATE,
+            "fingerprint": checkpoint.fingerprint(state),
+            "classes": list(self.data.classes),
+        }
 
     def _append_rounds(self) -> None:
         """Append the round log's new entries to rounds.jsonl once the round (its evaluation

@@ -158,6 +158,26 @@ def set_arrays(model: nn.Module, arrays: Arrays) -> None:
     model.load_state_dict(arrays, strict=True)
 
 
+ENSEMBLE = "ensemble/"
+
+
+def pack_ensemble(members: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several models as one set of arrays (``ensemble/<k>/<name>``), so an ensemble travels as
+    an ordinary model offer (to a Flower node too) and is scored by :func:`unpack_ensemble`."""
+    return {f"{ENSEMBLE}{k}/{name}": v for k, m in enumerate(members) for name, v in m.items()}
+
+
+def unpack_ensemble(arrays: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """The members of a packed ensemble in order; None for the arrays of a single model."""
+    if not arrays or not all(k.startswith(ENSEMBLE) for k in arrays):
+        return None
+    members: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in arrays.items():
+        k, name = key[len(ENSEMBLE) :].split("/", 1)
+        members.setdefault(int(k), {})[name] = value
+    return [members[k] for k in sorted(members)]
+
+
 @torch.no_grad()
 def predict_probs(model: nn.Module, data: ClientData, batch_size: int) -> torch.Tensor:
     """Softmax outputs over ``data`` in evaluation mode, in data order."""

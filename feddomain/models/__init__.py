@@ -122,6 +122,7 @@ def model_skeleton(
     options: dict[str, Any] | None = None,
     frozen: bool = False,
     head_hidden: int | None = None,
+    head_adapter: int | None = None,
 ) -> nn.Module:
     """The structure of a configured model without its weights: built on the meta device (no
     memory, no weight file read), for config-time checks of what a method needs of it. With
@@ -135,7 +136,7 @@ def model_skeleton(
     with torch.device("meta"):
         model = build_model(name, 2, resolution=resolution, **options)
         if frozen:
-            model = head_model(model.n_features, 2, hidden=head_hidden)
+            model = head_model(model.n_features, 2, hidden=head_hidden, adapter=head_adapter)
     return model
 
 

@@ -190,18 +190,58 @@ def _save_atomic(path: Path, payload: dict[str, object]) -> None:
         raise
 
 
+class ResidualAdapter(nn.Module):
+    """``a(z) = z + up(ReLU(down(z)))``: a residual bottleneck of rank r on the pooled feature
+    (fedvr.md §3.1). ``up`` starts at zero, so the adapter starts as the identity and a head on
+    top of it starts as a linear probe; methods that generate parameters zero their ``up``
+    outputs too (:func:`identity_outputs`)."""
+
+    def __init__(self, n_features: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(n_features, rank)
+        self.up = nn.Linear(rank, n_features)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z + self.up(F.relu(self.down(z)))
+
+
+def identity_outputs(model: nn.Module) -> set[str]:
+    """Names of the parameters that must be zero for every residual adapter of ``model`` to be
+    the identity (each adapter's ``up`` weight and bias)."""
+    return {
+        f"{prefix}.up.{p}" if prefix else f"up.{p}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, ResidualAdapter)
+        for p in ("weight", "bias")
+    }
+
+
 def head_model(
-    n_features: int, num_classes: int, *, hidden: int | None = None
+    n_features: int, num_classes: int, *, hidden: int | None = None, adapter: int | None = None
 ) -> FeatureClassifier:
-    """The trainable part on cached features: a linear head, or one hidden ReLU layer.
+    """The trainable part on cached features: a linear head, one hidden ReLU layer, or a
+    residual bottleneck adapter of rank ``adapter`` then a linear head (FedVR's client model).
 
     It is a :class:`FeatureClassifier` like every backbone, so feature-level methods (FedSR,
-    FedIIR) see ``featurizer`` = identity (linear head) or the hidden layer (MLP head).
+    FedIIR) see ``featurizer`` = identity (linear head), the hidden layer (MLP head) or the
+    adapter.
     """
     if n_features < 1 or num_classes < 1:
         raise ConfigError(
             f"head: n_features={n_features} and num_classes={num_classes} must be >= 1"
         )
+    if hidden is not None and adapter is not None:
+        raise ConfigError(
+            f"head: model.head_hidden={hidden} and model.head_adapter={adapter} are exclusive; "
+            "set one of them"
+        )
+    if adapter is not None:
+        if adapter < 1:
+            raise ConfigError(f"head: adapter={adapter} must be >= 1 (or None for no adapter)")
+        featurizer: nn.Module = ResidualAdapter(n_features, adapter)
+        return FeatureClassifier(featurizer, nn.Linear(n_features, num_classes), n_features)
     if hidden is None:
         return FeatureClassifier(nn.Identity(), nn.Linear(n_features, num_classes), n_features)
     if hidden < 1:

@@ -179,7 +179,8 @@ def discover(link: NodeLink, split_index: int) -> Federation:
         new = sorted(set(grid.get_node_ids()) - set(infos))
         if new:
             infos.update(_describe(link, new, split_index, deadline))
-            _map_clients(link, infos)
+            if infos:  # no node may have answered before the deadline
+                _map_clients(link, infos)
         reference = next(iter(infos.values()), None)
         if reference is not None and len(link.nodes) == reference["n_clients"]:
             _note_target_holders(link, infos)
