@@ -77,9 +77,9 @@ class HypernetworkHparams(Hparams):
     """Momentum of the server's SGD (SGD only)."""
     ood_model: OodModel = "own"
     """Which model the unseen (target) domain is scored with: `own` (each client's generated
-    model, ood = their mean: the hFedF paper's protocol), `mean_embedding` (the model generated from the
-    clients' mean embedding), `parameter_average` (the mean of the clients' generated models) or
-    `ensemble` (the clients' generated models' mean predicted probabilities)."""
+    model, ood = their mean: the hFedF paper's protocol), `mean_embedding` (the model generated
+    from the clients' mean embedding), `parameter_average` (the mean of the clients' generated
+    models) or `ensemble` (the clients' generated models' mean predicted probabilities)."""
 
 
 class SynchronousHparams(HypernetworkHparams):
