@@ -114,7 +114,8 @@ def test_the_report_shows_the_ledger_per_method(tmp_path):
     lenet_kib = sum(t.numel() for t in fedavg.model.state_dict().values()) * 4 / 1024
     text = build_report([tmp_path / "runs"]).to_markdown()
     assert "communication per round" in text
-    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    section = text.split("communication per round")[1].split("\n## ")[0]  # not the time table
+    rows = {line.split(" | ")[0]: line for line in section.splitlines() if line.startswith("| ")}
     # per round: 3 clients; columns down model/statistics/scalars, up model/statistics/scalars
     fed_cells = [float(c) for c in rows["| fedavg"].strip(" |").split(" | ")[1:]]
     local_cells = [float(c) for c in rows["| local"].strip(" |").split(" | ")[1:]]
