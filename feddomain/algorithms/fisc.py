@@ -1,5 +1,5 @@
 """FISC / PARDON (Nguyen, Johnson, Leach, arXiv 2410.22622): interpolative style transfer and
-contrastive learning. Spec: ../shared/papers/fisc.md.
+contrastive learning. Spec: fisc.md.
 
 Round 0 (``algorithms/styled.py``): every client uploads one style, the mean of its FINCH
 clusters' styles; the server takes the element-wise lower median of the FINCH cluster means of
