@@ -23,15 +23,17 @@ _FACTORIES: dict[str, Callable[..., tvm.ResNet]] = {
 }
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, what: str = "weights_path") -> dict[str, torch.Tensor]:
+    """The tensors of a local weights file; a ConfigError naming ``what`` and the file if it is
+    missing, unreadable or not a state dict (name -> tensor)."""
     if not path.is_file():
-        raise ConfigError(f"weights_path: file not found: {path}")
+        raise ConfigError(f"{what}: file not found: {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ConfigError(f"weights_path: cannot read {path} as a torch state dict: {exc}") from exc
+        raise ConfigError(f"{what}: cannot read {path} as a torch state dict: {exc}") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"weights_path: {path} does not hold a state dict (name -> tensor)")
+        raise ConfigError(f"{what}: {path} does not hold a state dict (name -> tensor)")
     return state
 
 
@@ -60,7 +62,7 @@ def _fitting_state(net: nn.Module, weights_path: str, arch: str) -> dict[str, to
     """The file's state dict without the ImageNet head, checked against ``net`` (headless)."""
     path = Path(weights_path).expanduser()
     # The ImageNet 1000-way head is dropped: the K-way classifier is always freshly initialised.
-    state = {k: v for k, v in _read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
+    state = {k: v for k, v in read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
     _check_compatible(net, state, path, arch)
     return state
 

@@ -17,7 +17,7 @@ from torchvision import models as tvm
 
 from feddomain.errors import ConfigError
 from feddomain.models.base import FeatureClassifier
-from feddomain.models.resnet import _check_compatible, _read_state_dict
+from feddomain.models.resnet import _check_compatible, read_state_dict
 
 TORCHVISION_HIDDEN = 4096
 _HEAD_PREFIX = "classifier.6."
@@ -59,7 +59,7 @@ def vgg11(
                 f"vgg11: weights_path needs hidden={TORCHVISION_HIDDEN}, not {hidden}"
             )
         path = Path(weights_path).expanduser()
-        state = {k: v for k, v in _read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
+        state = {k: v for k, v in read_state_dict(path).items() if not k.startswith(_HEAD_PREFIX)}
         net.classifier = net.classifier[:-1]
         _check_compatible(net, state, path, "vgg11")
         net.load_state_dict(state)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from feddomain.errors import ConfigError
+from feddomain.models.resnet import read_state_dict
 
 DCT_BLOCK = 8
 DCT_CHANNELS = 3 * DCT_BLOCK * DCT_BLOCK  # 192
@@ -100,14 +101,7 @@ def load_frozen(net: nn.Module, path: str, role: str) -> nn.Module:
     """``net`` with the tensors of the file at ``path`` (extra tensors of a longer network, e.g.
     the full VGG-19, are ignored), frozen in eval mode. ConfigError naming the file otherwise."""
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"style {role} weights: file not found: {file}")
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError(f"style {role} weights: cannot read {file}: {exc}") from exc
-    if not isinstance(state, dict):
-        raise ConfigError(f"style {role} weights: {file} does not hold a state dict")
+    state = read_state_dict(file, f"style {role} weights")
     expected = net.state_dict()
     missing = [k for k in expected if k not in state]
     if missing:
