@@ -149,9 +149,11 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics",
         nargs="+",
         default=[],
-        choices=["worst_domain_acc", "ood_nll", "ood_brier"],
-        help="extra tables after ood/id accuracy and ECE, at the same selected round: the worst "
-        "target domain's accuracy, the ood negative log-likelihood, the ood Brier score",
+        metavar="METRIC",
+        help="extra tables after ood/id accuracy and ECE, at the same selected round: "
+        "worst_domain_acc, ood_nll, ood_brier; fairness over clients: worst_client_acc, "
+        "client_acc_std (id accuracy), client_loss_var (variance of the clients' training "
+        "losses); hypernetwork diagnostics: grad_cos_pairwise, embedding_l2",
     )
     rep.add_argument(
         "--out",

@@ -41,7 +41,17 @@ from feddomain.federation.privacy import CLIENT_SERVER, KINDS
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
 METRICS = ("ood_acc", "id_acc", "ood_ece")
 # tables a report adds on request (`--metrics`), from the same selected round of each run
-OPTIONAL_METRICS = ("worst_domain_acc", "ood_nll", "ood_brier")
+OPTIONAL_METRICS = (
+    "worst_domain_acc", "ood_nll", "ood_brier", "worst_client_acc", "client_acc_std",
+    "client_loss_var", "grad_cos_pairwise", "embedding_l2",
+)  # fmt: skip
+# optional metrics that metrics.jsonl holds nested: name -> (field, key)
+NESTED_METRICS = {
+    "worst_client_acc": ("id_spread", "min"),
+    "client_acc_std": ("id_spread", "std"),
+    "grad_cos_pairwise": ("diagnostics", "cos_pairwise_mean"),
+    "embedding_l2": ("diagnostics", "embedding_l2_mean"),
+}
 METRIC_TITLES = {
     "ood_acc": "ood accuracy (%)",
     "id_acc": "id accuracy (%)",
@@ -49,8 +59,15 @@ METRIC_TITLES = {
     "worst_domain_acc": "worst target-domain accuracy (%)",
     "ood_nll": "ood NLL (nats)",
     "ood_brier": "ood Brier score",
+    "worst_client_acc": "worst client's id accuracy (%)",
+    "client_acc_std": "std of id accuracy over clients (%)",
+    "client_loss_var": "variance of the clients' training losses",
+    "grad_cos_pairwise": "mean pairwise cosine of client gradients",
+    "embedding_l2": "mean pairwise distance of client embeddings",
 }
-PERCENT = frozenset({"ood_acc", "id_acc", "ood_ece", "worst_domain_acc"})
+PERCENT = frozenset(
+    {"ood_acc", "id_acc", "ood_ece", "worst_domain_acc", "worst_client_acc", "client_acc_std"}
+)
 CSV_COLUMNS = (
     "kind", "algorithm", "dataset", "target", "selection", "seed", "n_seeds", "selected_round",
     "rounds", "local_epochs", "ood_acc", "ood_acc_std", "id_acc", "id_acc_std", "ood_ece",
@@ -445,7 +462,7 @@ def load_run(
     summary = _read_json(run_dir / "summary.json")
     algorithm, dataset, targets, seed = _summary_fields(run_dir / "summary.json", summary)
     metrics_path = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics_path)
+    records = [with_nested_metrics(r) for r in read_metrics(metrics_path)]
     try:
         chosen = select(records, selection)
     except DataError as err:
@@ -465,6 +482,17 @@ def load_run(
         raise DataError(f"{run_dir / 'config.yaml'}: expected a mapping")
     run = RunResult(run_dir, algorithm, dataset, targets, seed, chosen, records, summary, config)
     return run, _consistency_warnings(run, selection)
+
+
+def with_nested_metrics(record: dict) -> dict:
+    """``record`` with the nested metrics of ``NESTED_METRICS`` at top level, where it has them
+    (fairness over clients, and the hypernetwork methods' diagnostics, fedvr.md §5)."""
+    found = {
+        name: record[field][key]
+        for name, (field, key) in NESTED_METRICS.items()
+        if isinstance(record.get(field), dict) and key in record[field]
+    }
+    return {**record, **found}
 
 
 def _consistency_warnings(run: RunResult, selection: str) -> list[str]:

@@ -128,6 +128,7 @@ class Simulation:
         self.links = Links(self.data.stations is not None)  # bytes by link, direction, kind
         self.elapsed = 0.0  # wall time of earlier sessions of this run (resume)
         self.rounds_written = 0  # round_log entries already in rounds.jsonl
+        self.client_losses: dict[int, float] = {}  # this round's clients' training losses
 
     def _init_model(self) -> nn.Module:
         """A fresh model with the run's seeded initialisation (the same for every method)."""
@@ -208,6 +209,21 @@ class Simulation:
             "time": timing,
             **self._sent(ledger_before),
             "participants": len(units),
+            **self._loss_spread(),
+        }
+
+    def _loss_spread(self) -> dict[str, Any]:
+        """The round's clients' mean training losses (the ``loss`` their replies report; the
+        last station round's for a client under a station) and their population variance
+        across clients, the fairness quantity FedVR regularises (fedvr.md §5.3 a), logged for
+        every method so that methods can be compared on it."""
+        losses, self.client_losses = self.client_losses, {}
+        if not losses:
+            return {}
+        values = np.array([losses[c] for c in sorted(losses)], dtype=np.float64)
+        return {
+            "client_loss": {str(c): losses[c] for c in sorted(losses)},
+            "client_loss_var": float(values.var()),
         }
 
     def _sent(self, before: dict[str, dict[str, dict[str, int]]]) -> dict[str, Any]:
@@ -250,6 +266,8 @@ class Simulation:
             reply = self._run_client(cid, rnd, msg, station_round, purpose)
             timing["train"] += time.perf_counter() - t0
             if not self._rejected(rnd, "client", cid, reply):
+                if purpose == CLIENT_TRAIN and "loss" in reply.scalars:
+                    self.client_losses[cid] = float(reply.scalars["loss"])
                 yield cid, reply
 
     def _rejected(self, rnd: int, sender: str, uid: int, msg: Message) -> bool:
