@@ -13,7 +13,7 @@ from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.evaluation.report import build_report
 from feddomain.federation.messages import Message
 from tests.engine_helpers import run_sim, temporary_method, tiny_config
-from tests.test_report import runs_root, table  # noqa: F401  (runs_root: a fixture)
+from tests.test_report import AT_SOURCE_VAL, table, write_run
 
 # a loss each client reports, chosen so that population and sample variance differ
 REPORTED = {0: 0.5, 1: 2.0, 2: 3.5, 3: 1.0}
@@ -55,6 +55,16 @@ def test_each_round_logs_its_participants_losses_and_their_population_variance(t
         run_sim(tiny_config(algorithm="_fixed_loss", rounds=1, partition__n_clients=4), full)
     # losses 0.5, 2, 3.5, 1: mean 1.75; squared deviations 1.5625, 0.0625, 3.0625, 0.5625
     assert rounds_of(full)[0]["client_loss_var"] == pytest.approx(5.25 / 4, abs=1e-15)
+
+
+@pytest.fixture
+def runs_root(tmp_path: Path) -> Path:
+    """test_report's finished runs: 2 methods x 2 targets x 2 seeds."""
+    root = tmp_path / "runs"
+    for (algo, target), per_seed in AT_SOURCE_VAL.items():
+        for seed, values in enumerate(per_seed):
+            write_run(root, algo, target, seed, values)
+    return root
 
 
 def _set_fairness(run: Path, by_round: dict[int, tuple[float, float, float]]) -> None:
