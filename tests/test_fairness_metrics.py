@@ -97,4 +97,3 @@ def test_fairness_tables_read_the_selected_rounds_nested_spread(runs_root: Path)
     assert table(md, "## pacs — std of id accuracy over clients (%)")["fedavg"][0] == "10.0 ± 0.0"
     loss_var = table(md, "## pacs — variance of the clients' training losses")
     assert loss_var["fedavg"][0] == "0.025 ± 0.007"
-
