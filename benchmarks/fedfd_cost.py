@@ -42,7 +42,7 @@ def train_step(method: str, name: str, x: torch.Tensor, y: torch.Tensor) -> tupl
     """One local step of ``method``: its loss, one backward, its optimisers' steps."""
     model = method_model(method, name, x.shape[-1]).train()
     resolved = resolve_method(method, {})
-    client = resolved.make_client()
+    client = resolved.make_client(model)
     loss_fn = cross_entropy_loss if method == "fedavg" else client.loss_fn(None, None)
     adapters = {id(p) for p in adapter_parameters(model)}
     optimizers = [

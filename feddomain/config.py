@@ -170,6 +170,10 @@ class TrainConfig(Section):
 
     local_epochs: int = Field(1, ge=1)
     """Passes over the client's data per round."""
+    max_steps: int | None = Field(None, ge=1)
+    """At most this many local steps per round (a compute budget, e.g. a large backbone on a
+    CPU): the round's batches are drawn as for `local_epochs` and training stops after this many;
+    null: every batch. Applies to the shared training loop every `ctx.fit` method uses."""
     batch_size: int = Field(32, ge=1)
     """Mini-batch size."""
     optimizer: Literal["adam", "sgd"] = "adam"

@@ -253,6 +253,25 @@ def test_drop_last_and_per_batch_losses(drop_last, tmp_path):
         assert mean == pytest.approx(r["mean_loss"], rel=1e-5)  # float32 running sum vs float64
 
 
+def test_max_steps_stops_each_client_after_that_many_steps_of_the_same_batches(tmp_path):
+    """Catches: train.max_steps ignored, counted per epoch instead of per round (8 of 2 x 6
+    steps: the cap falls in the second epoch), applied to a client with fewer steps than the
+    cap, or changing which batches the first steps see (their losses must be bit-identical to
+    the uncapped run's first 8)."""
+    common = {"rounds": 1, "train__batch_size": 7, "train__local_epochs": 2}
+    full = recorded(tmp_path / "full", **common)
+    capped = recorded(tmp_path / "capped", **common, train__max_steps=8)
+    above = recorded(tmp_path / "above", **common, train__max_steps=1000)
+    for f, c, a in zip(full, capped, above, strict=True):
+        assert f["steps"] == 2 * math.ceil(f["n"] / 7) == 12
+        assert c["steps"] == 8 == c["batch_losses"].numel()
+        assert torch.equal(c["batch_losses"], f["batch_losses"][:8])
+        assert c["examples"] == f["n"] + 2 * 7  # one whole epoch (6 steps), then 2 full batches
+        assert a["steps"] == f["steps"] and torch.equal(a["batch_losses"], f["batch_losses"])
+    with pytest.raises(ConfigError, match="max_steps"):
+        tiny_config(train__max_steps=0)
+
+
 def test_a_persistent_optimizer_carries_momentum_across_rounds(tmp_path):
     """Catches: momentum reset every round despite train.persistent_optimizer, or state restored
     into the wrong parameters (reference: one SGD-with-momentum run over all rounds' batches;

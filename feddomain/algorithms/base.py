@@ -118,6 +118,7 @@ class ClientContext:
     drop_last: bool = False
     persistent_optimizer: bool = False
     precise_bn: bool = False
+    max_steps: int | None = None
 
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The configured optimiser over ``params`` at this round's lr; with
@@ -138,10 +139,11 @@ class ClientContext:
         on_step: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TrainStats:
         """Load ``arrays`` into the shared model and train it for the configured local epochs
-        (the usual client step of every FedAvg-family method): the configured optimiser over
-        ``params`` (default: all parameters), plus any ``extra_optimizers`` of the method's own
-        (e.g. an adapter's), stepped together by the shared loop. With ``train.precise_bn`` the
-        BatchNorm statistics are then re-estimated with the final weights."""
+        or ``train.max_steps`` (the usual client step of every FedAvg-family method): the
+        configured optimiser over ``params`` (default: all parameters), plus any
+        ``extra_optimizers`` of the method's own (e.g. an adapter's), stepped together by the
+        shared loop. With ``train.precise_bn`` the BatchNorm statistics are then re-estimated
+        with the final weights."""
         set_arrays(self.model, arrays)
         optimizer = self.optimizer(list(self.model.parameters()) if params is None else params)
         stats = train_epochs(
@@ -156,6 +158,7 @@ class ClientContext:
             grad_clip=self.grad_clip,
             drop_last=self.drop_last,
             on_step=on_step,
+            max_steps=self.max_steps,
         )
         if self.persistent_optimizer:
             save_optimizer_state(optimizer, self.state)

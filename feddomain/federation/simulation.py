@@ -430,6 +430,7 @@ class Simulation:
             drop_last=t.drop_last,
             persistent_optimizer=t.persistent_optimizer,
             precise_bn=t.precise_bn,
+            max_steps=t.max_steps,
         )
 
     def _collect(self) -> None:

@@ -43,12 +43,14 @@ def train_epochs(
     grad_clip: float | None = None,
     drop_last: bool = False,
     on_step: Callable[[int, torch.Tensor], None] | None = None,
+    max_steps: int | None = None,
 ) -> TrainStats:
     """Minibatch training: one backward of ``loss_fn`` (+ ``regularizer()``, e.g. FedProx) per
     batch, then a step of every optimiser — a method with a second optimiser over its own
     parameters (an adapter) passes both and lets its loss reach each set. ``grad_clip`` bounds
     the L2 norm of each step's gradient over the optimised parameters; ``on_step(step, loss)``
-    runs after each step (EMA updates, statistics)."""
+    runs after each step (EMA updates, statistics); ``max_steps`` stops training after that
+    many steps (the batches are drawn as without it, so the first steps are the same)."""
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     model.train()
@@ -57,6 +59,8 @@ def train_epochs(
     losses = []
     for _ in range(epochs):
         for x, y in data.batches(batch_size, generator, drop_last=drop_last):
+            if steps == max_steps:
+                break
             loss = loss_fn(model, x, y)
             if regularizer is not None:
                 loss = loss + regularizer()
