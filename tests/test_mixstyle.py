@@ -166,7 +166,10 @@ def test_p_zero_equals_fedavg_exactly(tmp_path):
         (["algorithm.blocks=[1, 1]"], "'algorithm.blocks'"),
         (["algorithm.q=0.5"], "unknown key 'algorithm.q'"),
         (["algorithm.blocks=[3]"], "'model.name' = 'lenet5'.*algorithm.blocks = \\[3\\]"),
-        (["model.name=efficientnet_lite0"], "'model.name' = 'efficientnet_lite0'"),
+        (
+            ["model.name=efficientnet_lite0", "algorithm.blocks=[8]"],
+            "'model.name' = 'efficientnet_lite0'.*7 convolutional stages",
+        ),
         (["model.name=small_cnn", "model.frozen=true"], "'model.frozen' = true"),
         (["model.name=small_cnn", "model.options.widths=[8]"], "set algorithm.blocks"),
     ],

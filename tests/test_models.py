@@ -341,6 +341,26 @@ def test_efficientnet_loads_packaged_imagenet_weights(efficientnet_extra) -> Non
     assert not torch.allclose(features[0], features[1], atol=1e-3)
 
 
+def test_efficientnet_stages_end_each_block_group(efficientnet_extra) -> None:
+    """Catches: stage ends off by one block (a hook then sits inside a group, before its last
+    block) or not at the groups' ends. Lite0's groups (Tan & Le 2019, Table 1, Lite variant):
+    1, 2, 2, 3, 3, 4, 1 blocks of 16, 24, 40, 80, 112, 192, 320 channels at strides 2 (the stem),
+    2, 4, 8, 16, 16, 32, 32 -> at 64 px sides 32, 16, 8, 4, 4, 2, 2."""
+    model = build_model("efficientnet_lite0", 7, resolution=64, pretrained=False)
+    assert model.stages == tuple(f"featurizer._blocks.{i}" for i in (0, 2, 4, 7, 10, 14, 15))
+    shapes: list[tuple[int, ...]] = []
+    for name in model.stages:
+        model.get_submodule(name).register_forward_hook(
+            lambda m, i, out: shapes.append(tuple(out.shape[1:]))
+        )
+    model.eval()
+    with torch.no_grad():
+        model(torch.zeros(1, 3, 64, 64))
+    channels = (16, 24, 40, 80, 112, 192, 320)
+    sides = (32, 16, 8, 4, 4, 2, 2)
+    assert shapes == [(c, s, s) for c, s in zip(channels, sides, strict=True)]
+
+
 def test_efficientnet_without_the_extra_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "efficientnet_lite_pytorch", None)
     with pytest.raises(ConfigError, match=r"pip install 'feddomain\[efficientnet\]'"):

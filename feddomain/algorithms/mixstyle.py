@@ -23,8 +23,9 @@ ends of its convolutional stages (``FeatureClassifier.stages``), so no parameter
 ``blocks`` picks them (1-based); the default ``None`` is every stage but the last, the paper's
 rule (early layers carry style, the last one semantics; for ResNet-18 that is res1-res3, the
 paper's choice): after conv blocks 1 and 2 of ``small_cnn``'s 3, after conv block 1
-(conv1-tanh-pool1) of ``lenet5``'s 2, after layer1-layer3 of ResNet. A model declaring no stages
-(EfficientNet-Lite0, a frozen-feature head) or too few is refused when the config loads.
+(conv1-tanh-pool1) of ``lenet5``'s 2, after layer1-layer3 of ResNet, after block groups 1-6 of
+EfficientNet-Lite0's 7 (``blocks: [2, 3, 4]`` matches ResNet's res1-res3 in resolution). A model
+declaring no stages (a frozen-feature head) or too few is refused when the config loads.
 
 Hyper-parameters: p = 0.5, α = 0.1 (the paper's defaults), ε = 1e-6 (its code's). The variance
 is the paper's (Eq. 2: biased, 1/(HW)·Σ(x − μ)²); its code's unbiased ``torch.var`` scales every
@@ -127,7 +128,7 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
     """Why MixStyle cannot be inserted into ``model`` as configured, or None."""
     stages = tuple(getattr(model, "stages", ()))
     blocks = getattr(hp, "blocks", None)
-    known = "small_cnn, lenet5, resnet18 and resnet50 declare them; not frozen"
+    known = "small_cnn, lenet5, resnet18, resnet50 and efficientnet_lite0 declare them; not frozen"
     if not stages:
         return (
             "inserts MixStyle after the model's convolutional stages, and this model declares "

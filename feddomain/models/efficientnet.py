@@ -60,4 +60,22 @@ def efficientnet_lite0(
         net.load_state_dict(state)
     net._fc = nn.Identity()
     classifier = nn.Linear(N_FEATURES, num_classes)
-    return FeatureClassifier(net, classifier, N_FEATURES, freeze_bn_stats=freeze_bn_stats)
+    return FeatureClassifier(
+        net, classifier, N_FEATURES, freeze_bn_stats=freeze_bn_stats, stages=stage_ends(net)
+    )
+
+
+def stage_ends(net: nn.Module) -> list[str]:
+    """The last block of each of Lite0's seven block groups (16, 24, 40, 80, 112, 192 and 320
+    channels; strides 2, 4, 8, 16, 16, 32, 32), where MixStyle-like layers go: groups 2-4 are at
+    the resolutions of ResNet's res1-res3."""
+    ends, last = [], -1
+    for group in net._blocks_args:
+        last += group.num_repeat
+        ends.append(f"featurizer._blocks.{last}")
+    if last != len(net._blocks) - 1:
+        raise ConfigError(
+            f"efficientnet_lite0: its block groups list {last + 1} blocks, the network has "
+            f"{len(net._blocks)}"
+        )
+    return ends
