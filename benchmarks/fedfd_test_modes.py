@@ -8,7 +8,7 @@ scored with every layer's eval mode switched to each of ``global`` (FedFD's infe
 ``adapter`` on a FedFD-A model. The run's own record keeps its configured mode; the scores are
 added to metrics.jsonl as ``ood_by_test_mode``.
 
-    python benchmarks/fedfd_test_modes.py configs/fedfd/pacs_effnet32_cpu.yaml \\
+    python benchmarks/fedfd_test_modes.py configs/fedfd/pacs_effnet64_budget.yaml \\
         dataset.root=DATA split.targets=[sketch] algorithm.name=fedfd --out runs/fedfd-sketch
 """
 

@@ -2,7 +2,7 @@
 # Issue 15's acceptance table: PACS LODO, profile pacs-effnet-frozen (frozen EfficientNet-Lite0
 # features at 128 px, adapter r = 64 + linear head, 3 clients), every method under one protocol:
 # Local, FedAvg, FedProx (mu 1e-2), FedSR, pFedHN, hFedF and FedVR (zero-shot ood), and FedVR
-# without its variance regulariser (lambda_var = 0, fedvr.md §8 B2).
+# without its variance regulariser (lambda_var = 0: what the regulariser buys).
 #   scripts/fedvr_pacs_effnet.sh DATA_ROOT OUT [TARGETS] [ROUNDS] [SEED]
 # e.g. scripts/fedvr_pacs_effnet.sh ../shared/data runs/effnet "sketch" 200 0
 # Features are computed once into OUT/cache and shared by every run. Then:

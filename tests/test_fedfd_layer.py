@@ -12,6 +12,7 @@ import torch
 import torchvision
 from torch import nn
 
+from feddomain.errors import ConfigError
 from feddomain.models import build_model
 from feddomain.models.fedfd_bn import (
     BNMode,
@@ -261,6 +262,26 @@ def test_a_batchnorm_without_running_statistics_is_refused_by_name():
         convert_batchnorm(model)
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [BNMode("instance"), BNMode("fixed", alpha=0.5), BNMode("random"), BNMode("adapter")],
+    ids=["instance", "fixed", "random", "adapter"],
+)
+def test_instance_statistics_of_a_1x1_map_are_refused_naming_the_layer(mode):
+    """Catches the silent collapse of instance statistics over a 1x1 map (the mean is the
+    feature, the variance 0: every sample normalises to beta), which EfficientNet-Lite0's last
+    stages reach below 64 px; batch statistics (or a 2x2 map) stay allowed."""
+    model = nn.Sequential(OrderedDict(conv=nn.Conv2d(3, 4, 1), late=nn.BatchNorm2d(4)))
+    convert_batchnorm(model, adapter_reduction=2)
+    set_bn_mode(model, mode, training=False)
+    model.eval()
+    with pytest.raises(ConfigError, match="'late': instance statistics of a 1x1 feature map"):
+        model(torch.randn(5, 3, 1, 1))
+    assert model(torch.randn(5, 3, 2, 2)).shape == (5, 4, 2, 2)
+    set_bn_mode(model, BNMode("fixed", alpha=0.5, local_stats="batch"), training=False)
+    assert model(torch.randn(5, 3, 1, 1)).shape == (5, 4, 1, 1)
+
+
 # ------------------------------------------------------------------ check 5: the adapter
 def test_resnet18_adapters_hold_218220_parameters():
     """Catches an adapter of another shape (channel-wise α: 0.33M; a single 2C→1 layer: 0.01M)
@@ -338,7 +359,9 @@ def test_adapter_inference_gives_a_sample_the_same_prediction_at_batch_1_and_64(
             p.normal_(0, 0.5)  # α varies with the sample
     set_bn_mode(model, BNMode("adapter"), training=False)
     model.eval()
-    x = _input(batch=64, channels=3, seed=4)[:, :, :, :5].repeat(1, 1, 6, 6)  # 30x30 images
+    # 64x64 images: ResNet-18's last stage is 2x2 (at 30 px it would be 1x1, where instance
+    # statistics are the features themselves and every layer4 output the same)
+    x = _input(batch=64, channels=3, seed=4)[:, :, :, :4].repeat(1, 1, 13, 16)[:, :, :64]
     with torch.no_grad():
         whole = model(x)
         alone = torch.cat([model(x[i : i + 1]) for i in range(64)])

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from feddomain.errors import ConfigError
+
 Kind = Literal["batch", "global", "instance", "fixed", "random", "adapter"]
 LocalStats = Literal["instance", "batch"]
 KINDS: tuple[str, ...] = ("batch", "global", "instance", "fixed", "random", "adapter")
@@ -108,6 +110,7 @@ class FedFDBatchNorm2d(nn.BatchNorm2d):
         )
         self.train_mode = BATCH
         self.eval_mode = BATCH
+        self.where = "a FedFD BatchNorm layer"  # its name in the model, for messages
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, train_mode={self.train_mode}, eval_mode={self.eval_mode}"
@@ -130,6 +133,14 @@ class FedFDBatchNorm2d(nn.BatchNorm2d):
 
     def _mixed(self, x: Tensor, mode: BNMode) -> Tensor:
         local = "instance" if mode.kind == "adapter" else mode.local_stats
+        if local == "instance" and x.shape[2] * x.shape[3] == 1:
+            raise ConfigError(
+                f"{self.where}: instance statistics of a 1x1 feature map are the features "
+                f"themselves (variance 0), so every sample would normalise to the same output; "
+                f"give the model larger inputs (dataset.resolution; EfficientNet-Lite0's last "
+                f"stages are 1x1 below 64 px) or use algorithm.local_stats: batch with a test "
+                f"mode that reads no instance statistics (global, local)"
+            )
         mu_l, sigma_l = local_statistics(x, local, self.eps)
         mu_g = self.global_mean.view(1, -1, 1, 1)
         sigma_g = (self.global_var + self.eps).sqrt().view(1, -1, 1, 1)
@@ -208,6 +219,7 @@ def _converted(bn: nn.BatchNorm2d, adapter_reduction: int | None, where: str) ->
         new.global_mean.copy_(bn.running_mean)
         new.global_var.copy_(bn.running_var)
     new.train(bn.training)
+    new.where = f"BatchNorm layer {where!r}"
     return new
 
 
