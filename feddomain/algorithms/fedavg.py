@@ -20,8 +20,10 @@ from feddomain.algorithms.base import (
     MethodSpec,
     ServerAlgorithm,
     ServerContext,
+    fit_together,
 )
 from feddomain.algorithms.registry import register
+from feddomain.federation.batched import FunctionalRegularizer
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
 from feddomain.federation.training import LossFn, cross_entropy_loss, get_arrays
@@ -85,6 +87,25 @@ class FedAvgClient(ClientAlgorithm):
             },
         )
 
+    def run_batch(self, msgs: list[Message], ctxs: list[ClientContext]) -> list[Message]:
+        """``run`` for a round's clients trained together (FedAvg, FedProx: registered
+        ``batchable``; a subclass with its own loss is not)."""
+        results = fit_together(
+            ctxs,
+            [m.arrays for m in msgs],
+            regularizer=self.functional_regularizer(),
+            anchors=[m.arrays for m in msgs],
+        )
+        return [
+            Message("fit", arrays, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
+            for (arrays, stats), ctx in zip(results, ctxs, strict=True)
+        ]
+
+    def functional_regularizer(self) -> FunctionalRegularizer | None:
+        """``regularizer`` as a function of (parameters, received arrays), for clients trained
+        together (none for FedAvg)."""
+        return None
+
     def uploads(self, n_clients: int) -> Uploads:
         """The trained model (every array), its sample count and mean training loss."""
         return Uploads(model=("*",), scalars=("num_examples", "loss"))
@@ -113,5 +134,6 @@ register(
         FedAvgHparams,
         description="FedAvg: sample-weighted parameter averaging (McMahan et al., AISTATS 2017)",
         takes_client=True,
+        batchable=True,
     )
 )

@@ -15,6 +15,7 @@ from feddomain.algorithms.fedavg import (
     global_parameters,
 )
 from feddomain.algorithms.registry import register
+from feddomain.federation.batched import FunctionalRegularizer
 from feddomain.federation.messages import Message
 
 
@@ -36,6 +37,15 @@ class FedProxClient(FedAvgClient):
 
         return proximal
 
+    def functional_regularizer(self) -> FunctionalRegularizer:
+        """The proximal term of (one client's parameters, its received global arrays)."""
+        mu = self.hp.mu
+
+        def proximal(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor]):
+            return 0.5 * mu * sum((p - anchor[k]).pow(2).sum() for k, p in params.items())
+
+        return proximal
+
 
 register(
     MethodSpec(
@@ -44,5 +54,6 @@ register(
         FedProxClient,
         FedProxHparams,
         description="FedProx: FedAvg + proximal term mu/2 ||w - w_g||^2 (Li et al., MLSys 2020)",
+        batchable=True,
     )
 )
