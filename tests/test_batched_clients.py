@@ -12,12 +12,14 @@ entries into steps of size up to lr, so Adam is compared in float64, on the engi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from feddomain.algorithms.base import ClientContext, fit_together
+from feddomain.algorithms.fedprox import FedProxClient, FedProxHparams
 from feddomain.errors import ConfigError
 from feddomain.federation.batched import OptimizerSettings, fit_clients
 from feddomain.federation.data import ClientData
@@ -129,6 +131,11 @@ def test_clients_of_unequal_sizes_train_together_as_they_train_alone(name):
         assert stats.mean_loss == pytest.approx(ref.mean_loss, abs=1e-12)
 
 
+def proximal(pairs, mu: float = 0.5):
+    """FedProx's sequential regulariser over (parameter, anchor) pairs."""
+    return lambda: 0.5 * mu * sum((p - a).pow(2).sum() for p, a in pairs)
+
+
 def test_proximal_term_and_gradient_clipping_match_the_sequential_step():
     """FedProx's (μ/2)‖w − w_g‖² with each client's own anchor, and per-client gradient
     clipping, as the sequential regulariser closure and clip_grad_norm_ do. Catches: the
@@ -138,9 +145,6 @@ def test_proximal_term_and_gradient_clipping_match_the_sequential_step():
     starts = starts_for(model, 3)
     anchors = [{k: v - 0.02 for k, v in s.items()} for s in starts]
     settings = SETTINGS["sgd_momentum"]
-
-    def prox(params, anchor):
-        return 0.5 * mu * sum((p - anchor[k]).pow(2).sum() for k, p in params.items())
 
     together = fit_clients(
         model,
@@ -152,19 +156,22 @@ def test_proximal_term_and_gradient_clipping_match_the_sequential_step():
         epochs=1,
         batch_size=BATCH,
         grad_clip=clip,
-        regularizer=prox,
+        regularizer=FedProxClient(FedProxHparams(mu=mu)).functional_regularizer(),
         anchors=anchors,
     )
     for i, (arrays, _) in enumerate(together):
-        pairs = None
-
-        def reg(i=i):
-            return 0.5 * mu * sum((p - anchors[i][k]).pow(2).sum() for k, p in pairs)
-
         set_arrays(model, starts[i])
-        pairs = list(model.named_parameters())
+        pairs = [(p, anchors[i][k]) for k, p in model.named_parameters()]
         ref, _ = sequential(
-            model, starts[i], datas[i], i, settings, lr=0.05, epochs=1, reg=reg, clip=clip
+            model,
+            starts[i],
+            datas[i],
+            i,
+            settings,
+            lr=0.05,
+            epochs=1,
+            reg=proximal(pairs, mu),
+            clip=clip,
         )
         assert_close(arrays, ref, F64)
 
@@ -347,7 +354,7 @@ def test_batched_on_refuses_what_it_cannot_batch_exactly(overrides, needle):
     reason: a method with its own local step (FedSR), an aggregator that wraps the client's
     training (HFedATM's Gram capture), BatchNorm, dropout, per-client optimiser state. Catches:
     a run that silently falls back or batches a step it would change."""
-    with pytest.raises(ConfigError, match="'train.batched_clients' = 'on'") as err:
+    with pytest.raises(ConfigError, match=re.escape("'train.batched_clients' = 'on'")) as err:
         tiny_config(train__batched_clients="on", **overrides)
     assert needle in str(err.value)
 
