@@ -5,8 +5,9 @@ sequential path (``Simulation.execute`` per client: the shared model, torch.opti
 batched one (``Simulation.execute_batch``: vmap over stacked parameters, ``federation/batched.py``).
 FedAvg, LeNet-5 at 32 px, random images (the cost does not depend on their content), about
 ``--images`` images per client (the partition divides each source domain's images among its
-clients, so sizes differ: partial batches and early finishers are part of the timing). Repeats alternate the two paths so that load from other
-processes hits both alike; the median of each is reported, and their ratio, side by side.
+clients, so sizes differ: partial batches and early finishers are part of the timing). Repeats
+alternate the two paths so that load from other processes hits both alike; the median of each
+is reported, and their ratio, side by side.
 
     python benchmarks/batched_clients.py                         # 10 and 100 clients, CPU
     python benchmarks/batched_clients.py --device cuda --clients 10 100
