@@ -401,7 +401,7 @@ def _check_batched(cfg: ExperimentConfig) -> None:
     )
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
     problem = batching_problem(
-        method.name, method.batchable, method.prepare_model(skeleton), cfg.train, cfg.precision
+        method.not_batchable, method.prepare_model(skeleton), cfg.train, cfg.precision
     )
     if problem:
         raise ConfigError(f"invalid configuration: 'train.batched_clients' = 'on': {problem}")

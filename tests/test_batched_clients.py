@@ -339,10 +339,10 @@ def test_auto_trains_clients_one_after_another_on_the_cpu():
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        ({"algorithm": "fedsr"}, "method 'fedsr' does not train its clients with the plain step"),
+        ({"algorithm": "fedsr"}, "method 'fedsr' has a local step of its own"),
         (
-            {"algorithm": {"name": "hfedatm"}},
-            "method 'hfedatm",
+            {"algorithm": {"name": "hfedatm", "client": {"name": "fedprox"}}},
+            "aggregator 'hfedatm' wraps its clients' training",
         ),
         ({"model__options": {"norm": "batch"}}, "BatchNorm layer 'featurizer.bn1'"),
         ({"model__name": "hfedf_cnn"}, "dropout"),
@@ -351,8 +351,8 @@ def test_auto_trains_clients_one_after_another_on_the_cpu():
 )
 def test_batched_on_refuses_what_it_cannot_batch_exactly(overrides, needle):
     """``train.batched_clients: on`` is refused when the config loads, naming the key and the
-    reason: a method with its own local step (FedSR), an aggregator that wraps the client's
-    training (HFedATM's Gram capture), BatchNorm, dropout, per-client optimiser state. Catches:
+    reason: a method with its own local step (FedSR), an aggregator that wraps even a batchable
+    client's training (HFedATM's Gram capture around FedProx), BatchNorm, dropout, per-client optimiser state. Catches:
     a run that silently falls back or batches a step it would change."""
     with pytest.raises(ConfigError, match=re.escape("'train.batched_clients' = 'on'")) as err:
         tiny_config(train__batched_clients="on", **overrides)

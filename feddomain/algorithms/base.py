@@ -459,10 +459,18 @@ class Method:
     client_hp: Hparams
 
     @property
-    def batchable(self) -> bool:
-        """Whether this run's clients may be trained together: the client method opts in and
-        no aggregator layer (HFedATM's Gram capture) wraps its training."""
-        return self.client_spec.batchable and self.spec.client_wrapper is None
+    def not_batchable(self) -> str | None:
+        """Why this run's clients may not be trained together, or None: the client method has
+        not opted in (its own local step), or an aggregator layer (HFedATM's Gram capture)
+        wraps its training."""
+        if not self.client_spec.batchable:
+            return (
+                f"method {self.client_spec.name!r} has a local step of its own (only methods "
+                "registered batchable train together: fedavg, fedprox, local)"
+            )
+        if self.spec.client_wrapper is not None:
+            return f"aggregator {self.spec.name!r} wraps its clients' training"
+        return None
 
     @property
     def name(self) -> str:

@@ -282,15 +282,13 @@ def _clipped(grads: Stacked, max_norm: float) -> Stacked:
 
 
 def batching_problem(
-    method: str, batchable: bool, model: nn.Module, train: object, precision: str
+    method_problem: str | None, model: nn.Module, train: object, precision: str
 ) -> str | None:
     """Why the clients of this run cannot be trained together (``train.batched_clients: on`` is
-    refused with it), or None. ``train``: the config's ``train`` section."""
-    if not batchable:
-        return (
-            f"method {method!r} does not train its clients with the plain step (only methods "
-            "registered batchable: fedavg, fedprox, local)"
-        )
+    refused with it), or None. ``method_problem``: the method's own reason
+    (``Method.not_batchable``); ``train``: the config's ``train`` section."""
+    if method_problem:
+        return method_problem
     problem = model_problem(model)
     if problem:
         return f"the model {problem}"

@@ -135,7 +135,7 @@ class Simulation:
         if type(self).execute is not Simulation.execute:
             return False
         problem = batching_problem(
-            self.method.name, self.method.batchable, self.model, self.cfg.train, self.cfg.precision
+            self.method.not_batchable, self.model, self.cfg.train, self.cfg.precision
         )
         if problem is None:
             return True
