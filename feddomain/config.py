@@ -202,7 +202,7 @@ class TrainConfig(Section):
     batched_clients: Literal["auto", "off", "on"] = "auto"
     """Train a round's clients as one batched computation (torch.func vmap over stacked
     parameters; FedAvg, FedProx, Local-only on models without BatchNorm or dropout): on,
-    off, or auto (on only on CUDA, where it pays; the sequential path elsewhere)."""
+    off, or auto (on only on CUDA; the CPU keeps the sequential path)."""
     augment: AugmentSection = Field(default_factory=AugmentSection)
     mean: tuple[float, float, float] | None = None
     """Per-channel input mean; null (with `std`) keeps inputs in [0, 1] (hFedF's protocol)."""
