@@ -352,8 +352,9 @@ def test_auto_trains_clients_one_after_another_on_the_cpu():
 def test_batched_on_refuses_what_it_cannot_batch_exactly(overrides, needle):
     """``train.batched_clients: on`` is refused when the config loads, naming the key and the
     reason: a method with its own local step (FedSR), an aggregator that wraps even a batchable
-    client's training (HFedATM's Gram capture around FedProx), BatchNorm, dropout, per-client optimiser state. Catches:
-    a run that silently falls back or batches a step it would change."""
+    client's training (HFedATM's Gram capture around FedProx), BatchNorm, dropout, per-client
+    optimiser state. Catches: a run that silently falls back or batches a step it would
+    change."""
     with pytest.raises(ConfigError, match=re.escape("'train.batched_clients' = 'on'")) as err:
         tiny_config(train__batched_clients="on", **overrides)
     assert needle in str(err.value)
@@ -385,3 +386,28 @@ def test_resume_of_a_batched_run_equals_the_uninterrupted_run(tmp_path):
     for a, b in zip(full.states, resumed_sim.states, strict=True):
         assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
     assert resumed["per_client"] == reference["per_client"]
+
+
+def test_station_rounds_train_each_stations_clients_together(tmp_path):
+    """FedAvg in two stations (clients [0, 1, 2] and [3, 4] of unequal sizes) with two station
+    rounds: each station round's clients trained together give the sequential run's model.
+    Catches: a batch mixing stations, or the station round's generators (seeded by station
+    round) mixed up."""
+    over = {
+        "partition__n_clients": 5,
+        "partition__name": "lambda",
+        "partition__lam": 0.5,
+        "topology__stations": 2,
+        "topology__station_rounds": 2,
+        "train__momentum": 0.9,
+        "train__lr": 0.05,
+    }
+    runs = []
+    for mode in ("off", "on"):
+        cfg = tiny_config(rounds=2, train__batched_clients=mode, **over)
+        (tmp_path / mode).mkdir()
+        sim = Simulation(cfg, tiny_federation(cfg), tmp_path / mode)
+        sim.run()
+        runs.append(sim)
+    assert len({len(t) for t in runs[0].data.train}) > 1
+    assert_close(runs[0].server.global_arrays, runs[1].server.global_arrays, 1e-5)
