@@ -234,24 +234,13 @@ def fit_clients(
     losses: list[list[torch.Tensor]] = [[] for _ in range(n)]
     examples = [0] * n
     while True:
-        batches, still = [], []
-        for i in active:
-            batch = next(streams[i], None)
-            if batch is not None:
-                batches.append(_padded(batch, batch_size))
-                still.append(i)
-                examples[i] += int(batch[1].shape[0])
-        if not still:
+        active, batches = _next_batches(streams, active, batch_size, examples)
+        if not active:
             break
-        active = still
-        rows = (
-            None if len(active) == n else torch.tensor(active, device=params[trainable[0]].device)
-        )
+        rows = None if len(active) == n else torch.tensor(active, device=batches[0][0].device)
         x, y, w = (torch.stack(t) for t in zip(*batches, strict=True))
         grads, values = gradients(
-            {k: _rows(v, rows) for k, v in params.items()},
-            {k: _rows(v, rows) for k, v in constants.items()},
-            {k: _rows(v, rows) for k, v in anchor.items()},
+            *({k: _rows(v, rows) for k, v in d.items()} for d in (params, constants, anchor)),
             x,
             y,
             w,
@@ -261,16 +250,39 @@ def fit_clients(
         optimizer.step(params, grads, rows)
         for j, i in enumerate(active):
             losses[i].append(values[j])
-    out = []
-    for i in range(n):
-        arrays = {
-            k: (params[k][i] if k in params else constants[k][i]).detach().clone() for k in names
-        }
-        steps = len(losses[i])
-        batch_losses = torch.stack(losses[i]) if steps else torch.zeros(0)
-        mean = float(batch_losses.sum()) / max(steps, 1)
-        out.append((arrays, TrainStats(steps, examples[i], mean, batch_losses)))
-    return out
+    return [
+        (
+            {k: (params[k][i] if k in params else constants[k][i]).clone() for k in names},
+            _stats(losses[i], examples[i]),
+        )
+        for i in range(n)
+    ]
+
+
+def _next_batches(
+    streams: list[Iterator[tuple[torch.Tensor, torch.Tensor]]],
+    active: list[int],
+    batch_size: int,
+    examples: list[int],
+) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """The next padded batch of every active client that has one, and which clients those are
+    (a client without one has finished for good); ``examples`` counts each client's images."""
+    still, batches = [], []
+    for i in active:
+        batch = next(streams[i], None)
+        if batch is not None:
+            still.append(i)
+            batches.append(_padded(batch, batch_size))
+            examples[i] += int(batch[1].shape[0])
+    return still, batches
+
+
+def _stats(losses: list[torch.Tensor], examples: int) -> TrainStats:
+    """``train_epochs``'s statistics of one client from its per-step losses."""
+    batch_losses = torch.stack(losses) if losses else torch.zeros(0)
+    return TrainStats(
+        len(losses), examples, float(batch_losses.sum()) / max(len(losses), 1), batch_losses
+    )
 
 
 def _clipped(grads: Stacked, max_norm: float) -> Stacked:
