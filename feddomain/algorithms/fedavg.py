@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from pydantic import Field
 
 from feddomain.algorithms.base import (
@@ -117,13 +116,6 @@ class FedAvgClient(ClientAlgorithm):
     def regularizer(self, msg: Message, ctx: ClientContext):
         """Extra loss term added to every batch (none for FedAvg)."""
         return None
-
-
-def global_parameters(
-    msg: Message, ctx: ClientContext
-) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Pairs (local parameter, received global value) for proximal-style regularisers."""
-    return [(p, msg.arrays[name]) for name, p in ctx.model.named_parameters()]
 
 
 register(

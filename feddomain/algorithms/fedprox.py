@@ -12,7 +12,6 @@ from feddomain.algorithms.fedavg import (
     FedAvgClient,
     FedAvgHparams,
     FedAvgServer,
-    global_parameters,
 )
 from feddomain.algorithms.registry import register
 from feddomain.federation.batched import FunctionalRegularizer
@@ -29,16 +28,14 @@ class FedProxHparams(FedAvgHparams):
 
 class FedProxClient(FedAvgClient):
     def regularizer(self, msg: Message, ctx: ClientContext) -> Callable[[], torch.Tensor]:
-        pairs = global_parameters(msg, ctx)
-        mu = self.hp.mu
-
-        def proximal() -> torch.Tensor:
-            return 0.5 * mu * sum((p - g).pow(2).sum() for p, g in pairs)
-
-        return proximal
+        """The proximal term of the shared model's parameters and the received global ones."""
+        proximal = self.functional_regularizer()
+        params = dict(ctx.model.named_parameters())
+        return lambda: proximal(params, msg.arrays)
 
     def functional_regularizer(self) -> FunctionalRegularizer:
-        """The proximal term of (one client's parameters, its received global arrays)."""
+        """(μ/2)·‖w − w_global‖² of (one client's parameters, its received arrays): the
+        sequential step's term, and each client's when clients train together."""
         mu = self.hp.mu
 
         def proximal(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor]):
