@@ -336,6 +336,20 @@ def test_auto_trains_clients_one_after_another_on_the_cpu():
     assert sim.batched is (sim.device.type == "cuda")
 
 
+def test_a_runner_whose_clients_run_elsewhere_never_batches():
+    """A runner that replaces ``execute`` (the Flower runner: each client trains on its node)
+    keeps one task per client even with ``on``. Catches: the ServerApp training the nodes'
+    clients itself."""
+
+    class Remote(Simulation):
+        def execute(self, cid, rnd, msg, station_round=0, purpose=0):
+            raise AssertionError("not reached")
+
+    cfg = tiny_config(train__batched_clients="on")
+    assert Simulation(cfg, tiny_federation(cfg), Path("/nonexistent-unused")).batched
+    assert not Remote(cfg, tiny_federation(cfg), Path("/nonexistent-unused")).batched
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [

@@ -178,6 +178,8 @@ def fit_together(
     configured optimiser over every parameter, cross-entropy, plus an optional functional
     ``regularizer(params, anchor)``), which is what a method opts in to with
     ``MethodSpec(batchable=True)``."""
+    if not ctxs:
+        return []
     first = ctxs[0]
     settings = first.make_optimizer
     if not isinstance(settings, OptimizerSettings):
