@@ -203,6 +203,10 @@ class TrainConfig(Section):
     precise_bn: bool = False
     """After local training, re-estimate BatchNorm statistics with the final weights over one
     pass of the client's data (PreciseBN)."""
+    batched_clients: Literal["auto", "off", "on"] = "auto"
+    """Train a round's clients as one batched computation (torch.func vmap over stacked
+    parameters; FedAvg, FedProx, Local-only on models without BatchNorm or dropout): on,
+    off, or auto (on only on CUDA; the CPU keeps the sequential path)."""
     augment: AugmentSection = Field(default_factory=AugmentSection)
     mean: tuple[float, float, float] | None = None
     """Per-channel input mean; null (with `std`) keeps inputs in [0, 1] (hFedF's protocol)."""
@@ -374,11 +378,37 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
         raise ConfigError(_explain(err, source)) from None
     _check_model(cfg)
     _check_algorithm(cfg)
+    _check_batched(cfg)
     _check_weights(cfg)
     from feddomain.data.federated import check_data_config  # late: data imports this module
 
     check_data_config(cfg)
     return cfg
+
+
+def _check_batched(cfg: ExperimentConfig) -> None:
+    """``train.batched_clients: on`` with a method, model or setting it cannot batch exactly."""
+    if cfg.train.batched_clients != "on":
+        return
+    from feddomain.algorithms import resolve_method  # late: algorithms import this module
+    from feddomain.federation.batched import batching_problem
+    from feddomain.models import model_skeleton
+
+    m = cfg.model
+    skeleton = model_skeleton(
+        m.name,
+        resolution=cfg.dataset.resolution,
+        options=m.options,
+        frozen=m.frozen,
+        head_hidden=m.head_hidden,
+        head_adapter=m.head_adapter,
+    )
+    method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
+    problem = batching_problem(
+        method.not_batchable, method.prepare_model(skeleton), cfg.train, cfg.precision
+    )
+    if problem:
+        raise ConfigError(f"invalid configuration: 'train.batched_clients' = 'on': {problem}")
 
 
 def _check_weights(cfg: ExperimentConfig) -> None:

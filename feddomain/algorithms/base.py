@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from feddomain.errors import ConfigError
+from feddomain.federation.batched import FunctionalRegularizer, OptimizerSettings, fit_clients
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
@@ -167,6 +168,46 @@ class ClientContext:
         return stats
 
 
+def fit_together(
+    ctxs: Sequence[ClientContext],
+    starts: Sequence[Arrays],
+    *,
+    regularizer: FunctionalRegularizer | None = None,
+    anchors: Sequence[Arrays] | None = None,
+) -> list[tuple[Arrays, TrainStats]]:
+    """``ctx.fit`` for several clients of one round as one batched computation
+    (``federation/batched.py``): client i trains from ``starts[i]`` on its own data and
+    generator; returns each one's final arrays and statistics. The plain step only (the
+    configured optimiser over every parameter, cross-entropy, plus an optional functional
+    ``regularizer(params, anchor)``), which is what a method opts in to with
+    ``MethodSpec(batchable=True)``."""
+    if not ctxs:
+        return []
+    first = ctxs[0]
+    settings = first.make_optimizer
+    if not isinstance(settings, OptimizerSettings):
+        raise TypeError("fit_together needs the engine's OptimizerSettings as make_optimizer")
+    shared = ("lr", "local_epochs", "batch_size", "drop_last", "grad_clip", "model")
+    for ctx in ctxs[1:]:
+        for key in shared:
+            if getattr(ctx, key) != getattr(first, key):
+                raise ValueError(f"clients trained together must share {key}")
+    return fit_clients(
+        first.model,
+        starts,
+        [c.train for c in ctxs],
+        [c.generator for c in ctxs],
+        settings=settings,
+        lr=first.lr,
+        epochs=first.local_epochs,
+        batch_size=first.batch_size,
+        drop_last=first.drop_last,
+        grad_clip=first.grad_clip,
+        regularizer=regularizer,
+        anchors=anchors,
+    )
+
+
 class ServerAlgorithm(ABC):
     # True: the runner writes the final state_dict() to the run directory (server_state.pt) with
     # its fingerprint in summary.json, for tools that build on a finished run (`feddomain adapt`)
@@ -257,6 +298,11 @@ class ClientAlgorithm(ABC):
     def uploads(self, n_clients: int) -> Uploads:
         """Everything a reply of this client may hold, over all its tasks (the privacy
         contract): the runner stops a run whose client sends anything else."""
+
+    def run_batch(self, msgs: list[Message], ctxs: list[ClientContext]) -> list[Message]:
+        """``run`` for several clients of one round at once (``fit_together``), one reply per
+        client in order. Called only for methods registered with ``batchable=True``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot train clients together")
 
     def eval_arrays(self, arrays: Arrays | None, ctx: ClientContext) -> Arrays:
         """The arrays this client would predict with, given what the server offers."""
@@ -383,7 +429,10 @@ class MethodSpec:
     without BatchNorm, see ``model_requirement``), raising a ``ConfigError`` that names the key.
     ``client_wrapper`` / ``station_wrapper``: an aggregator's own layer around whichever client
     and station parts the run has (HFedATM: Gram capture on the clients, Gram averaging and
-    shrinkage at the stations), so any client method keeps its own logic underneath."""
+    shrinkage at the stations), so any client method keeps its own logic underneath.
+    ``batchable``: its client part's "fit" is the plain step and implements ``run_batch``, so a
+    round's clients may be trained together (``train.batched_clients``); not inherited by a
+    method whose client subclasses it."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -397,6 +446,7 @@ class MethodSpec:
     check_config: ConfigCheck | None = None
     client_wrapper: ClientWrapper | None = None
     station_wrapper: StationWrapper | None = None
+    batchable: bool = False
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)
@@ -412,6 +462,20 @@ class Method:
     hp: Hparams
     client_spec: MethodSpec
     client_hp: Hparams
+
+    @property
+    def not_batchable(self) -> str | None:
+        """Why this run's clients may not be trained together, or None: the client method has
+        not opted in (its own local step), or an aggregator layer (HFedATM's Gram capture)
+        wraps its training."""
+        if not self.client_spec.batchable:
+            return (
+                f"method {self.client_spec.name!r} has a local step of its own (only methods "
+                "registered batchable train together: fedavg, fedprox, local)"
+            )
+        if self.spec.client_wrapper is not None:
+            return f"aggregator {self.spec.name!r} wraps its clients' training"
+        return None
 
     @property
     def name(self) -> str:

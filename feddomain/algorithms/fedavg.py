@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from pydantic import Field
 
 from feddomain.algorithms.base import (
@@ -20,8 +19,10 @@ from feddomain.algorithms.base import (
     MethodSpec,
     ServerAlgorithm,
     ServerContext,
+    fit_together,
 )
 from feddomain.algorithms.registry import register
+from feddomain.federation.batched import FunctionalRegularizer
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
 from feddomain.federation.training import LossFn, cross_entropy_loss, get_arrays
@@ -85,6 +86,25 @@ class FedAvgClient(ClientAlgorithm):
             },
         )
 
+    def run_batch(self, msgs: list[Message], ctxs: list[ClientContext]) -> list[Message]:
+        """``run`` for a round's clients trained together (FedAvg, FedProx: registered
+        ``batchable``; a subclass with its own loss is not)."""
+        results = fit_together(
+            ctxs,
+            [m.arrays for m in msgs],
+            regularizer=self.functional_regularizer(),
+            anchors=[m.arrays for m in msgs],
+        )
+        return [
+            Message("fit", arrays, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
+            for (arrays, stats), ctx in zip(results, ctxs, strict=True)
+        ]
+
+    def functional_regularizer(self) -> FunctionalRegularizer | None:
+        """``regularizer`` as a function of (parameters, received arrays), for clients trained
+        together (none for FedAvg)."""
+        return None
+
     def uploads(self, n_clients: int) -> Uploads:
         """The trained model (every array), its sample count and mean training loss."""
         return Uploads(model=("*",), scalars=("num_examples", "loss"))
@@ -98,13 +118,6 @@ class FedAvgClient(ClientAlgorithm):
         return None
 
 
-def global_parameters(
-    msg: Message, ctx: ClientContext
-) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Pairs (local parameter, received global value) for proximal-style regularisers."""
-    return [(p, msg.arrays[name]) for name, p in ctx.model.named_parameters()]
-
-
 register(
     MethodSpec(
         "fedavg",
@@ -113,5 +126,6 @@ register(
         FedAvgHparams,
         description="FedAvg: sample-weighted parameter averaging (McMahan et al., AISTATS 2017)",
         takes_client=True,
+        batchable=True,
     )
 )

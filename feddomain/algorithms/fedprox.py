@@ -12,9 +12,9 @@ from feddomain.algorithms.fedavg import (
     FedAvgClient,
     FedAvgHparams,
     FedAvgServer,
-    global_parameters,
 )
 from feddomain.algorithms.registry import register
+from feddomain.federation.batched import FunctionalRegularizer
 from feddomain.federation.messages import Message
 
 
@@ -28,11 +28,18 @@ class FedProxHparams(FedAvgHparams):
 
 class FedProxClient(FedAvgClient):
     def regularizer(self, msg: Message, ctx: ClientContext) -> Callable[[], torch.Tensor]:
-        pairs = global_parameters(msg, ctx)
+        """The proximal term of the shared model's parameters and the received global ones."""
+        proximal = self.functional_regularizer()
+        params = dict(ctx.model.named_parameters())
+        return lambda: proximal(params, msg.arrays)
+
+    def functional_regularizer(self) -> FunctionalRegularizer:
+        """(μ/2)·‖w − w_global‖² of (one client's parameters, its received arrays): the
+        sequential step's term, and each client's when clients train together."""
         mu = self.hp.mu
 
-        def proximal() -> torch.Tensor:
-            return 0.5 * mu * sum((p - g).pow(2).sum() for p, g in pairs)
+        def proximal(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor]):
+            return 0.5 * mu * sum((p - anchor[k]).pow(2).sum() for k, p in params.items())
 
         return proximal
 
@@ -44,5 +51,6 @@ register(
         FedProxClient,
         FedProxHparams,
         description="FedProx: FedAvg + proximal term mu/2 ||w - w_g||^2 (Li et al., MLSys 2020)",
+        batchable=True,
     )
 )

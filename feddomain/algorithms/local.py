@@ -16,6 +16,7 @@ from feddomain.algorithms.base import (
     Hparams,
     MethodSpec,
     ServerAlgorithm,
+    fit_together,
 )
 from feddomain.algorithms.registry import register
 from feddomain.federation.messages import Message
@@ -59,6 +60,17 @@ class LocalClient(ClientAlgorithm):
         ctx.state.arrays.update(get_arrays(ctx.model))
         return Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
 
+    def run_batch(self, msgs: list[Message], ctxs: list[ClientContext]) -> list[Message]:
+        """``run`` for a round's clients trained together: each from its own model."""
+        starts = [m.arrays or model_arrays(c.state) for m, c in zip(msgs, ctxs, strict=True)]
+        replies = []
+        for (arrays, stats), ctx in zip(fit_together(ctxs, starts), ctxs, strict=True):
+            ctx.state.arrays.update(arrays)
+            replies.append(
+                Message("fit", {}, {"num_examples": len(ctx.train), "loss": stats.mean_loss})
+            )
+        return replies
+
     def uploads(self, n_clients: int) -> Uploads:
         """No weights ever leave the client: only its sample count and mean training loss."""
         return Uploads(scalars=("num_examples", "loss"))
@@ -74,5 +86,6 @@ register(
         LocalClient,
         Hparams,
         description="Local-only: each client trains alone (no communication)",
+        batchable=True,
     )
 )

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from feddomain.errors import ConfigError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
 from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
+from feddomain.federation.batched import OptimizerSettings, batching_problem
 from feddomain.federation.data import ClientData
 from feddomain.federation.device import apply_determinism, autocast, move, resolve_device
 from feddomain.federation.messages import Message
@@ -60,16 +61,10 @@ CPU = torch.device("cpu")
 SERVER_STATE = "server_state.pt"  # the final server state of a method that exports it
 
 
-def make_optimizer_factory(
-    cfg: ExperimentConfig,
-) -> Callable[[list[nn.Parameter], float], torch.optim.Optimizer]:
+def make_optimizer_factory(cfg: ExperimentConfig) -> OptimizerSettings:
     """(parameters, learning rate) -> the configured client optimiser."""
     t = cfg.train
-    if t.optimizer == "adam":
-        return lambda params, lr: torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
-    return lambda params, lr: torch.optim.SGD(
-        params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay
-    )
+    return OptimizerSettings(t.optimizer, t.momentum, t.weight_decay)
 
 
 class Simulation:
@@ -122,6 +117,7 @@ class Simulation:
         units = len(self.data.stations) if self.data.stations is not None else self.data.n_clients
         self.schedule = sampling_stream(units, cfg.topology.sample_fraction, cfg.rounds, cfg.seed)
         self.make_optimizer = make_optimizer_factory(cfg)
+        self.batched = self._batched_clients()
         self.records: list[dict[str, Any]] = []  # evaluated rounds (metrics.jsonl)
         self.round_log: list[dict[str, Any]] = []  # every round: phase times, bytes (rounds.jsonl)
         self.rejected: list[dict[str, Any]] = []
@@ -129,6 +125,25 @@ class Simulation:
         self.elapsed = 0.0  # wall time of earlier sessions of this run (resume)
         self.rounds_written = 0  # round_log entries already in rounds.jsonl
         self.client_losses: dict[int, float] = {}  # this round's clients' training losses
+
+    def _batched_clients(self) -> bool:
+        """Whether a round's clients train together (``train.batched_clients``): ``auto`` on
+        CUDA when nothing stands in the way, ``on`` or a ConfigError naming what does. Only
+        where this process runs the clients (not the Flower runner, whose nodes do)."""
+        mode = self.cfg.train.batched_clients
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return False
+        if type(self).execute is not Simulation.execute:
+            return False
+        problem = batching_problem(
+            self.method.not_batchable, self.model, self.cfg.train, self.cfg.precision
+        )
+        if problem is None:
+            return True
+        if mode == "on":
+            raise ConfigError(f"invalid configuration: 'train.batched_clients' = 'on': {problem}")
+        log.info("clients train one after another: %s", problem)
+        return False
 
     def _init_model(self) -> nn.Module:
         """A fresh model with the run's seeded initialisation (the same for every method)."""
@@ -261,6 +276,9 @@ class Simulation:
         A lazy plan (an iterator) is pulled one client at a time, interleaved with the server's
         consumption of replies, so a sequential method (pFedHN) can build client i+1's message
         from the state that client i's reply produced."""
+        if self.batched and purpose == CLIENT_TRAIN and isinstance(plan, Mapping):
+            yield from self._batched_replies(rnd, plan, timing, station_round)
+            return
         for cid, msg in self._deliver(rnd, plan, timing, station_round, purpose):
             t0 = time.perf_counter()
             reply = self._run_client(cid, rnd, msg, station_round, purpose)
@@ -269,6 +287,42 @@ class Simulation:
                 if purpose == CLIENT_TRAIN and "loss" in reply.scalars:
                     self.client_losses[cid] = float(reply.scalars["loss"])
                 yield cid, reply
+
+    def _batched_replies(
+        self, rnd: int, plan: Mapping[int, Message], timing: dict[str, float], station_round: int
+    ) -> Iterator[tuple[int, Message]]:
+        """The planned clients trained together (``execute_batch``), then each reply checked,
+        counted and rejected as ``_run_client`` and ``_client_replies`` do one by one."""
+        items = list(plan.items())
+        t0 = time.perf_counter()
+        replies = self.execute_batch(rnd, items, station_round) if items else []
+        timing["train"] += time.perf_counter() - t0
+        for (cid, msg), reply in zip(items, replies, strict=True):
+            n_samples = int(self.data.client_domain_counts[cid].sum())
+            reply = self._checked(self.links.clients, cid, n_samples, msg, lambda r=reply: r)
+            if not self._rejected(rnd, "client", cid, reply):
+                yield cid, reply
+
+    def execute_batch(
+        self, rnd: int, items: list[tuple[int, Message]], station_round: int = 0
+    ) -> list[Message]:
+        """``execute`` for several clients at once: each with the context (generator, state) it
+        would have had alone, trained by the client part's ``run_batch``."""
+        ctxs = [
+            self._context(
+                cid,
+                rnd,
+                generator(self.cfg.seed, CLIENT_TRAIN, rnd, cid, station_round),
+                station_round,
+            )
+            for cid, _ in items
+        ]
+        for ctx in ctxs:
+            move(ctx.state, self.device)
+        replies = self.client.run_batch([move(m.copy(), self.device) for _, m in items], ctxs)
+        for ctx in ctxs:
+            move(ctx.state, CPU)
+        return [move(r.copy(), CPU) for r in replies]
 
     def _rejected(self, rnd: int, sender: str, uid: int, msg: Message) -> bool:
         """Whether ``msg`` holds non-finite values: then it is logged, listed in the summary's
