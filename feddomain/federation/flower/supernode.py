@@ -1,0 +1,85 @@
+"""``flower-supernode`` with a shorter poll: opt-in, for latency-bound deployments.
+
+flwr 1.41's SuperNode loop (``start_client_internal`` in ``flwr/supernode/
+start_client_internal.py``) sleeps a fixed 3 s after every pull that found no message, and
+polls its ClientApp's reply (and the reply's objects) every 0.5 s; neither is a flag or an
+environment variable. A node that has just replied polls again at once, finds nothing (the
+server is still waiting for the other nodes, then aggregating) and sleeps 3 s, so nearly every
+message round trip waits most of those 3 s: it dominates a round of a small model on loopback.
+
+This entry point runs Flower's own ``flower-supernode`` with every sleep of that one module
+capped at ``--poll`` seconds (its ``time`` module replaced by one whose ``sleep`` is capped;
+the module uses ``time`` for nothing else). Nothing else changes: the same CLI, the same loop.
+It is refused on a flwr version it was not checked against, where the loop may differ::
+
+    python -m feddomain.federation.flower.supernode --poll 0.05 -- --superlink HOST:9092 ...
+
+The cost: an idle node asks the SuperLink for work every ``--poll`` seconds instead of every 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from types import ModuleType
+
+import flwr
+
+from feddomain.errors import FeddomainError
+
+CHECKED_VERSIONS = ("1.41.0",)  # flwr releases whose SuperNode loop this was checked against
+LOOP_SLEEPS = ("time.sleep(3)", "time.sleep(0.5)")  # what the cap shortens, as written there
+
+
+class CappedTime:
+    """``time`` with ``sleep`` capped at ``cap`` seconds."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(min(seconds, self.cap))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def cap_node_sleeps(cap: float, module: ModuleType | None = None) -> ModuleType:
+    """Cap the sleeps of Flower's SuperNode loop at ``cap`` seconds; returns the module."""
+    if not cap > 0:
+        raise FeddomainError(f"the SuperNode poll interval must be positive, got {cap}")
+    if flwr.__version__ not in CHECKED_VERSIONS:
+        raise FeddomainError(
+            f"the SuperNode poll option was checked against flwr {', '.join(CHECKED_VERSIONS)}, "
+            f"not {flwr.__version__}; run the nodes without it (Flower's own 3 s idle poll)"
+        )
+    if module is None:
+        import flwr.supernode.start_client_internal as module
+    source = inspect.getsource(module)
+    missing = [s for s in LOOP_SLEEPS if s not in source]
+    if missing or module.time is not time:
+        raise FeddomainError(
+            f"{module.__name__} has no {missing or 'time module'} to shorten; "
+            "run the nodes without the poll option"
+        )
+    module.time = CappedTime(cap)
+    return module
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--poll", type=float, required=True, help="seconds between polls")
+    parser.add_argument("node_args", nargs=argparse.REMAINDER, help="-- flower-supernode args")
+    args = parser.parse_args(argv)
+    node_args = args.node_args[1:] if args.node_args[:1] == ["--"] else args.node_args
+    cap_node_sleeps(args.poll)
+    from flwr.supernode.cli import flower_supernode
+
+    sys.argv = ["flower-supernode", *node_args]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
