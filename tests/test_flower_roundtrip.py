@@ -109,9 +109,7 @@ def test_the_poll_wrapper_hands_flower_its_arguments(monkeypatch) -> None:
     which would refuse them."""
     seen = []
     monkeypatch.setattr(loop, "time", loop.time)
-    monkeypatch.setattr(
-        "flwr.supernode.cli.flower_supernode", lambda: seen.append(list(sys.argv))
-    )
+    monkeypatch.setattr("flwr.supernode.cli.flower_supernode", lambda: seen.append(list(sys.argv)))
     monkeypatch.setattr(sys, "argv", ["python"])
     supernode.main(["--poll", "0.05", "--", "--superlink", "127.0.0.1:9092", "--insecure"])
     assert seen == [["flower-supernode", "--superlink", "127.0.0.1:9092", "--insecure"]]
