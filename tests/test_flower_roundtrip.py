@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import flwr
 import flwr.supernode.start_client_internal as loop
 import pytest
+from flwr.supercore.inflatable import inflatable_utils
+from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
 
 from feddomain.cli import main
 from feddomain.errors import FeddomainError
@@ -73,17 +75,55 @@ def test_capped_node_polls_at_the_cap_instead_of_flowers_3_s(monkeypatch) -> Non
     assert loop.time.monotonic is time.monotonic  # nothing but sleep changes
 
 
-def test_the_cap_is_refused_on_an_unchecked_flower_or_a_bad_value(monkeypatch) -> None:
+def test_the_cap_is_refused_on_an_unchecked_flower_or_a_bad_value(
+    monkeypatch, pull_defaults
+) -> None:
     """Catches the patch being applied blind to a Flower release whose loop was never read,
     or a zero/negative interval (a busy loop) being accepted."""
     monkeypatch.setattr(loop, "time", loop.time)
     monkeypatch.setattr(flwr, "__version__", "1.99.0")
     with pytest.raises(FeddomainError, match=r"checked against flwr 1\.41\.0, not 1\.99\.0"):
         supernode.cap_node_sleeps(0.05)
+    with pytest.raises(FeddomainError, match=r"not 1\.99\.0"):
+        supernode.cap_pull_backoff(0.05)
     assert loop.time is time
+    assert [p.__kwdefaults__["initial_backoff"] for p in pull_defaults] == [1, 1]
     monkeypatch.setattr(flwr, "__version__", supernode.CHECKED_VERSIONS[0])
     with pytest.raises(FeddomainError, match="must be positive, got 0"):
         supernode.cap_node_sleeps(0.0)
+
+
+@pytest.fixture
+def pull_defaults(monkeypatch):
+    """Flower's object-pull defaults, restored after the test."""
+    pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    for pull in pulls:
+        monkeypatch.setattr(pull, "__kwdefaults__", dict(pull.__kwdefaults__))
+    return pulls
+
+
+def test_an_object_not_there_yet_is_retried_after_the_cap_not_1_s(pull_defaults) -> None:
+    """Catches the backoff cap missing the default Flower's pulls really use (node, ClientApp
+    and ServerApp leave it at 1 s): an object that is missing at the first ask arrives after
+    ~1 s uncapped, after ~0.01 s capped."""
+
+    def pull_seconds() -> float:
+        asked = []
+
+        def pull_object(object_id: str) -> bytes:
+            asked.append(object_id)
+            if len(asked) == 1:
+                raise ObjectUnavailableError(object_id)
+            return b"content"
+
+        start = time.monotonic()
+        assert inflatable_utils.pull_objects(["a"], pull_object) == {"a": b"content"}
+        return time.monotonic() - start
+
+    assert pull_seconds() > 0.7  # Flower's own first retry: 1 s +-20%
+    supernode.cap_pull_backoff(0.01)
+    assert pull_seconds() < 0.5
+    assert [p.__kwdefaults__["initial_backoff"] for p in pull_defaults] == [0.01, 0.01]
 
 
 def test_capped_sleep_never_sleeps_longer_than_asked() -> None:
@@ -102,9 +142,13 @@ def test_local_nodes_with_a_poll_run_flowers_supernode_through_the_cap(tmp_path)
     head = [sys.executable, "-m", "feddomain.federation.flower.supernode", "--poll", "0.05", "--"]
     assert plain.supernode_command(1, 9100)[0] == "flower-supernode"
     assert fast.supernode_command(1, 9100) == head + plain.supernode_command(1, 9100)[1:]
+    link = SimpleNamespace(popen=SimpleNamespace(pid=1))
+    plain.superlink = fast.superlink = link  # the warm executor serves it and the nodes
+    assert "--poll" not in plain.executor_command([])
+    assert fast.executor_command([])[-2:] == ["--poll", "0.05"]
 
 
-def test_the_poll_wrapper_hands_flower_its_arguments(monkeypatch) -> None:
+def test_the_poll_wrapper_hands_flower_its_arguments(monkeypatch, pull_defaults) -> None:
     """Catches the wrapper passing its own ``--poll`` or the ``--`` on to flower-supernode,
     which would refuse them."""
     seen = []
@@ -113,7 +157,8 @@ def test_the_poll_wrapper_hands_flower_its_arguments(monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["python"])
     supernode.main(["--poll", "0.05", "--", "--superlink", "127.0.0.1:9092", "--insecure"])
     assert seen == [["flower-supernode", "--superlink", "127.0.0.1:9092", "--insecure"]]
-    assert loop.time.sleep(3) is None and isinstance(loop.time, supernode.CappedTime)
+    assert isinstance(loop.time, supernode.CappedTime)
+    assert [p.__kwdefaults__["initial_backoff"] for p in pull_defaults] == [0.05, 0.05]
 
 
 def test_the_serverapp_pull_interval_reaches_the_run_config(monkeypatch, tmp_path) -> None:

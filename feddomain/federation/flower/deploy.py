@@ -159,6 +159,8 @@ class LocalFederation:
         cmd = [sys.executable, "-m", "feddomain.federation.flower.warm"]
         for target in targets:
             cmd += ["--serve", json.dumps(target)]
+        if self.node_poll is not None:
+            cmd += ["--poll", str(self.node_poll)]
         return cmd
 
     def superlink_command(self) -> list[str]:

@@ -1,16 +1,25 @@
-"""``flower-supernode`` with a shorter poll: opt-in, for latency-bound deployments.
+"""``flower-supernode`` with shorter waits: opt-in, for latency-bound deployments.
 
-flwr 1.41's SuperNode loop (``start_client_internal`` in ``flwr/supernode/
-start_client_internal.py``) sleeps a fixed 3 s after every pull that found no message, and
-polls its ClientApp's reply (and the reply's objects) every 0.5 s; neither is a flag or an
-environment variable. A node that has just replied polls again at once, finds nothing (the
-server is still waiting for the other nodes, then aggregating) and sleeps 3 s, so nearly every
-message round trip waits most of those 3 s: it dominates a round of a small model on loopback.
+Two fixed waits of flwr 1.41 dominate a message round trip of a small model on loopback; neither
+is a flag or an environment variable:
 
-This entry point runs Flower's own ``flower-supernode`` with every sleep of that one module
-capped at ``--poll`` seconds (its ``time`` module replaced by one whose ``sleep`` is capped;
-the module uses ``time`` for nothing else). Nothing else changes: the same CLI, the same loop.
-It is refused on a flwr version it was not checked against, where the loop may differ::
+- The SuperNode loop (``start_client_internal`` in ``flwr/supernode/start_client_internal.py``)
+  sleeps 3 s after every pull that found no message, and polls its ClientApp's reply (and the
+  reply's objects) every 0.5 s. A node that has just replied polls again at once, finds nothing
+  (the server is still waiting for the other nodes, then aggregating) and sleeps 3 s, so nearly
+  every round trip waits most of those 3 s.
+- A message's content travels as objects pulled after the message itself
+  (``pull_objects`` in ``flwr/supercore/inflatable/inflatable_utils.py``). The ClientApp starts
+  as soon as its node has the message, asks the node for objects the node is still fetching,
+  and retries after 1 s, then 2 s (``PULL_INITIAL_BACKOFF``); the ServerApp's pull of a reply
+  and the node's pull from the SuperLink race the same way.
+
+This entry point runs Flower's own ``flower-supernode`` with both shortened to ``--poll``
+seconds: every sleep of the loop's module is capped (its ``time`` replaced by one whose
+``sleep`` is capped; the module uses ``time`` for nothing else) and the object pulls' first
+retry comes after ``--poll`` seconds (doubling from there as before). ``warm.py --poll`` does the
+latter for the ClientApps and ServerApps it forks. Nothing else changes: the same CLI, the same
+loop. Both are refused on a flwr version they were not checked against::
 
     python -m feddomain.federation.flower.supernode --poll 0.05 -- --superlink HOST:9092 ...
 
@@ -26,6 +35,8 @@ import time
 from types import ModuleType
 
 import flwr
+from flwr.supercore.constant import PULL_INITIAL_BACKOFF
+from flwr.supercore.inflatable import inflatable_utils
 
 from feddomain.errors import FeddomainError
 
@@ -46,8 +57,7 @@ class CappedTime:
         return getattr(time, name)
 
 
-def cap_node_sleeps(cap: float, module: ModuleType | None = None) -> ModuleType:
-    """Cap the sleeps of Flower's SuperNode loop at ``cap`` seconds; returns the module."""
+def _check(cap: float) -> None:
     if not cap > 0:
         raise FeddomainError(f"the SuperNode poll interval must be positive, got {cap}")
     if flwr.__version__ not in CHECKED_VERSIONS:
@@ -55,6 +65,27 @@ def cap_node_sleeps(cap: float, module: ModuleType | None = None) -> ModuleType:
             f"the SuperNode poll option was checked against flwr {', '.join(CHECKED_VERSIONS)}, "
             f"not {flwr.__version__}; run the nodes without it (Flower's own 3 s idle poll)"
         )
+
+
+def cap_pull_backoff(cap: float) -> None:
+    """Retry an object that is not there yet after ``cap`` seconds, not 1 s (then doubling as
+    Flower does): the defaults of Flower's two object-pull functions, which every caller (node,
+    ClientApp, ServerApp's Grid) leaves at their default."""
+    _check(cap)
+    pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    for pull in pulls:
+        if (pull.__kwdefaults__ or {}).get("initial_backoff") != PULL_INITIAL_BACKOFF:
+            raise FeddomainError(
+                f"flwr's {pull.__name__} has no initial_backoff={PULL_INITIAL_BACKOFF} default "
+                "to shorten; run without the poll option"
+            )
+    for pull in pulls:
+        pull.__kwdefaults__["initial_backoff"] = cap
+
+
+def cap_node_sleeps(cap: float, module: ModuleType | None = None) -> ModuleType:
+    """Cap the sleeps of Flower's SuperNode loop at ``cap`` seconds; returns the module."""
+    _check(cap)
     if module is None:
         import flwr.supernode.start_client_internal as module
     source = inspect.getsource(module)
@@ -75,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     node_args = args.node_args[1:] if args.node_args[:1] == ["--"] else args.node_args
     cap_node_sleeps(args.poll)
+    cap_pull_backoff(args.poll)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *node_args]
