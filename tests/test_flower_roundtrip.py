@@ -184,3 +184,20 @@ def test_the_serverapp_pull_interval_reaches_the_run_config(monkeypatch, tmp_pat
     assert sent["poll"] == ["poll-interval = 0.05"]
     defaults = FlowerSettings.from_run_config({"config": DEMO, "out": "x"})
     assert defaults.poll_interval == 0.05
+
+
+def test_non_positive_polls_are_refused_by_name_before_anything_starts(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """Catches a zero poll (a busy loop in every node, or in the ServerApp) reaching the
+    processes instead of being refused where the user typed it."""
+    started = []
+    monkeypatch.setattr(
+        "feddomain.federation.flower.deploy.LocalFederation.start", lambda s: started.append(s)
+    )
+    assert main(["flower", "local", "--node-poll", "0", "--workdir", str(tmp_path)]) == 2
+    assert "poll interval must be positive, got 0.0" in capsys.readouterr().err
+    args = ["flower", "run", DEMO, "--out", str(tmp_path / "o"), "--poll-interval", "-1"]
+    assert main(args) == 2
+    assert "--poll-interval must be positive, got -1.0" in capsys.readouterr().err
+    assert started == []

@@ -43,8 +43,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--node-poll",
         type=float,
         metavar="SECONDS",
-        help="SuperNodes ask for work this often instead of Flower's fixed 3 s (flwr 1.41 only; "
-        "see feddomain/federation/flower/supernode.py)",
+        help="SuperNodes ask for work this often instead of Flower's fixed 3 s, and message "
+        "objects are retried this soon instead of after 1 s (flwr 1.41 only; see "
+        "feddomain/federation/flower/supernode.py)",
     )
     local.add_argument(
         "--state-dir",
@@ -133,6 +134,10 @@ def cmd_local(args: argparse.Namespace) -> None:
                 f"--sites {args.sites}: no folder(s) {missing or ['target']}; write them with "
                 "`feddomain data export CONFIG --out DIR`"
             )
+    if args.node_poll is not None:
+        from feddomain.federation.flower.supernode import check_poll
+
+        check_poll(args.node_poll)
     nodes = 0 if args.simulation else args.nodes
     with LocalFederation(
         nodes,
@@ -181,6 +186,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise FeddomainError("--resume DIR names the run directory; omit --out")
     if not resume and (args.config is None or args.out is None):
         raise FeddomainError("feddomain flower run needs CONFIG and --out DIR (or --resume DIR)")
+    if not args.poll_interval > 0:
+        raise FeddomainError(f"--poll-interval must be positive, got {args.poll_interval}")
     out = (args.resume if resume else args.out).expanduser().resolve()
     run_config: dict[str, object] = {
         "out": str(out),

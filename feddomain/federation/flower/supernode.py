@@ -32,7 +32,6 @@ import argparse
 import inspect
 import sys
 import time
-from types import ModuleType
 
 import flwr
 from flwr.supercore.constant import PULL_INITIAL_BACKOFF
@@ -57,7 +56,8 @@ class CappedTime:
         return getattr(time, name)
 
 
-def _check(cap: float) -> None:
+def check_poll(cap: float) -> None:
+    """Refuse a non-positive interval (a busy loop) and a flwr whose code was not checked."""
     if not cap > 0:
         raise FeddomainError(f"the SuperNode poll interval must be positive, got {cap}")
     if flwr.__version__ not in CHECKED_VERSIONS:
@@ -71,7 +71,7 @@ def cap_pull_backoff(cap: float) -> None:
     """Retry an object that is not there yet after ``cap`` seconds, not 1 s (then doubling as
     Flower does): the defaults of Flower's two object-pull functions, which every caller (node,
     ClientApp, ServerApp's Grid) leaves at their default."""
-    _check(cap)
+    check_poll(cap)
     pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
     for pull in pulls:
         if (pull.__kwdefaults__ or {}).get("initial_backoff") != PULL_INITIAL_BACKOFF:
@@ -83,11 +83,11 @@ def cap_pull_backoff(cap: float) -> None:
         pull.__kwdefaults__["initial_backoff"] = cap
 
 
-def cap_node_sleeps(cap: float, module: ModuleType | None = None) -> ModuleType:
-    """Cap the sleeps of Flower's SuperNode loop at ``cap`` seconds; returns the module."""
-    _check(cap)
-    if module is None:
-        import flwr.supernode.start_client_internal as module
+def cap_node_sleeps(cap: float) -> None:
+    """Cap the sleeps of Flower's SuperNode loop at ``cap`` seconds."""
+    check_poll(cap)
+    import flwr.supernode.start_client_internal as module
+
     source = inspect.getsource(module)
     missing = [s for s in LOOP_SLEEPS if s not in source]
     if missing or module.time is not time:
@@ -96,7 +96,6 @@ def cap_node_sleeps(cap: float, module: ModuleType | None = None) -> ModuleType:
             "run the nodes without the poll option"
         )
     module.time = CappedTime(cap)
-    return module
 
 
 def main(argv: list[str] | None = None) -> None:
