@@ -201,3 +201,18 @@ def test_non_positive_polls_are_refused_by_name_before_anything_starts(
     assert main(args) == 2
     assert "--poll-interval must be positive, got -1.0" in capsys.readouterr().err
     assert started == []
+
+
+@pytest.mark.slow
+def test_a_deployment_with_capped_polls_equals_the_simulator(tmp_path) -> None:
+    """Catches the capped nodes or executor breaking a real deployment (a wrapper that drops a
+    node argument, a pull that gives up early): 3 real SuperNodes started through the cap, a run
+    through them, the simulator's result."""
+    from tests.test_flower import assert_deployed_equals_simulated, demo_config, simulate, submit
+
+    sim = simulate(demo_config(), tmp_path / "sim")
+    with LocalFederation(3, tmp_path / "fed", node_poll=0.05) as fed:
+        assert all("flower.supernode" in " ".join(n.popen.args) for n in fed.nodes)
+        out = fed.workdir / "fedavg"
+        submit(fed, out)
+    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
