@@ -40,6 +40,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     local.add_argument("--tls-dir", type=Path, help="folder with ca.pem, server.pem, server.key")
     local.add_argument("--cold", action="store_true", help="Flower's own executor (no warm fork)")
     local.add_argument(
+        "--node-poll",
+        type=float,
+        metavar="SECONDS",
+        help="SuperNodes ask for work this often instead of Flower's fixed 3 s, and message "
+        "objects are retried this soon instead of after 1 s (flwr 1.41 only; see "
+        "feddomain/federation/flower/supernode.py)",
+    )
+    local.add_argument(
         "--state-dir",
         type=Path,
         help="where the nodes keep their clients' state, so an interrupted run can --resume",
@@ -95,6 +103,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="seconds to wait for the SuperNodes holding the clients (default 300)",
     )
     run.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.05,
+        help="seconds between the ServerApp's pulls of replies from the SuperLink (default 0.05)",
+    )
+    run.add_argument(
         "--federation-config",
         help="simulation engine settings, e.g. 'num-supernodes=3 client-resources-num-cpus=1'",
     )
@@ -120,12 +134,17 @@ def cmd_local(args: argparse.Namespace) -> None:
                 f"--sites {args.sites}: no folder(s) {missing or ['target']}; write them with "
                 "`feddomain data export CONFIG --out DIR`"
             )
+    if args.node_poll is not None:
+        from feddomain.federation.flower.supernode import check_poll
+
+        check_poll(args.node_poll)
     nodes = 0 if args.simulation else args.nodes
     with LocalFederation(
         nodes,
         args.workdir.resolve(),
         tls=tls,
         warm=not (args.cold or args.simulation),
+        node_poll=args.node_poll,
         sites=args.sites,
         simulation=args.simulation,
         node_config={STATE_DIR: str(args.state_dir.resolve())} if args.state_dir else {},
@@ -167,12 +186,15 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise FeddomainError("--resume DIR names the run directory; omit --out")
     if not resume and (args.config is None or args.out is None):
         raise FeddomainError("feddomain flower run needs CONFIG and --out DIR (or --resume DIR)")
+    if not args.poll_interval > 0:
+        raise FeddomainError(f"--poll-interval must be positive, got {args.poll_interval}")
     out = (args.resume if resume else args.out).expanduser().resolve()
     run_config: dict[str, object] = {
         "out": str(out),
         "min-replies": args.min_replies,
         "round-timeout": args.round_timeout,
         "node-timeout": args.node_timeout,
+        "poll-interval": args.poll_interval,
         "resume": resume,
         **({STATE_DIR: args.state_dir} if args.state_dir else {}),
     }

@@ -73,6 +73,7 @@ class LocalFederation:
     sites: Path | None = None  # an export (`feddomain data export`): node i serves site<i>/
     simulation: bool = False  # a SuperLink running Flower's simulation engine (Ray), no nodes
     warm: bool = True  # ClientApps forked from a warm process (``warm.py``), not started cold
+    node_poll: float | None = None  # SuperNodes poll this often, not every 3 s (``supernode.py``)
     superlink: Process | None = None
     executor: Process | None = None
     nodes: list[Process] = field(default_factory=list)
@@ -158,6 +159,8 @@ class LocalFederation:
         cmd = [sys.executable, "-m", "feddomain.federation.flower.warm"]
         for target in targets:
             cmd += ["--serve", json.dumps(target)]
+        if self.node_poll is not None:
+            cmd += ["--poll", str(self.node_poll)]
         return cmd
 
     def superlink_command(self) -> list[str]:
@@ -194,8 +197,11 @@ class LocalFederation:
             config[SITE_ROOT] = str((self.sites / f"site{i}").resolve())
             config[TARGET_ROOT] = str((self.sites / "target").resolve())
         pairs = " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
-        cmd = [
-            "flower-supernode",
+        cmd = ["flower-supernode"]
+        if self.node_poll is not None:
+            cmd = [sys.executable, "-m", "feddomain.federation.flower.supernode"]
+            cmd += ["--poll", str(self.node_poll), "--"]
+        cmd += [
             "--superlink",
             f"{self.host}:{self.port}",
             "--port",

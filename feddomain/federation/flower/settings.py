@@ -38,7 +38,7 @@ class FlowerSettings:
     min_replies: int = 1  # a round may close without the missing replies once this many arrived
     round_timeout: float = 600.0  # ...and this many seconds have passed since it was sent
     node_timeout: float = 300.0  # how long to wait for the SuperNodes holding the clients
-    poll_interval: float = 0.2  # seconds between pulls of replies from the SuperLink
+    poll_interval: float = 0.05  # seconds between pulls of replies from the SuperLink
     resume: bool = False  # continue the run in `out` from its checkpoint (its own config)
 
     @classmethod
@@ -73,7 +73,7 @@ class FlowerSettings:
             min_replies=int(run_config.get("min-replies", 1)),
             round_timeout=float(run_config.get("round-timeout", 600.0)),
             node_timeout=float(run_config.get("node-timeout", 300.0)),
-            poll_interval=float(run_config.get("poll-interval", 0.2)),
+            poll_interval=float(run_config.get("poll-interval", 0.05)),
             resume=resume,
         )
         if settings.min_replies < 1:

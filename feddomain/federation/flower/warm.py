@@ -36,6 +36,7 @@ from flwr.supernode.runtime.run_clientapp import run_clientapp
 
 import feddomain.federation.flower.server  # noqa: F401 - warm-up: torch, models, both Apps
 from feddomain.federation.flower.deploy import READY
+from feddomain.federation.flower.supernode import cap_pull_backoff
 
 WARM_TASKS = (TaskType.CLIENT_APP, TaskType.SERVER_APP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -153,7 +154,15 @@ def main(argv: list[str] | None = None) -> None:
         metavar="JSON",
         help='more targets, e.g. \'{"address": "127.0.0.1:9095", "parent_pid": 123}\'',
     )
+    parser.add_argument(
+        "--poll",
+        type=float,
+        metavar="SECONDS",
+        help="retry a message's objects after this long, not Flower's 1 s (see supernode.py)",
+    )
     args = parser.parse_args(argv)
+    if args.poll is not None:
+        cap_pull_backoff(args.poll)
     targets = [Target(**json.loads(text)) for text in args.serve]
     if args.runtime_api_address:
         if not args.insecure and args.root_certificates is None:
