@@ -6,7 +6,7 @@ clients' training losses at the last round (§5.3 a, logged by the engine for ev
 ECE-15 and NLL; for FedVR runs the B-check shares: rounds with max/min α > 1.05 (B3), with a
 negative coefficient c_i (B6), and the mean cosine of each client's g_ψ to the step.
 
-    python benchmarks/fedvr_table.py OUT/runs > tables.md
+    python benchmarks/fedvr_table.py OUT/runs [SEED ...] > tables.md   # only those seeds
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ def run_row(run: Path) -> dict:
     }
 
 
-def collect(root: Path) -> dict[str, list[dict]]:
+def collect(root: Path, seeds: set[int] | None = None) -> dict[str, list[dict]]:
     """Rows by method folder (``fedvr_lambda0`` and ``fedvr`` are both FedVR runs)."""
     by_method: dict[str, list[dict]] = defaultdict(list)
     for summary in sorted(root.glob("*/seed*/*/summary.json")):
-        by_method[summary.parents[2].name].append(run_row(summary.parent))
+        row = run_row(summary.parent)
+        if seeds is None or row["seed"] in seeds:
+            by_method[summary.parents[2].name].append(row)
     return by_method
 
 
@@ -107,8 +109,8 @@ def summary_table(by_method: dict[str, list[dict]]) -> None:
         )
 
 
-def main(root: Path) -> None:
-    by_method = collect(root)
+def main(root: Path, seeds: set[int] | None) -> None:
+    by_method = collect(root, seeds)
     print("Final-round ood accuracy (%), mean ± std over seeds:\n")
     per_target_table(by_method)
     print("\nMeans over every run of a method (targets x seeds):\n")
@@ -116,4 +118,4 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), {int(s) for s in sys.argv[2:]} or None)
