@@ -663,3 +663,28 @@ def test_mean_and_std_statistics_by_hand() -> None:
     data = ClientData(x, torch.zeros(2, dtype=torch.int64))
     assert feature_statistics(data, "mean").tolist() == [2.0, 4.0]
     assert feature_statistics(data, "mean+std").tolist() == [2.0, 4.0, 1.0, 2.0]
+
+
+def test_the_server_s_weights_and_coefficients_are_recorded_every_round(tmp_path: Path) -> None:
+    """Catches §5.9's quantities (α_i, c_i, L_var) kept only at evaluated rounds (every 3rd
+    here), a round's record holding another round's values, and c_i that are not α_i plus the
+    variance shift λ·(2/N)·(L_i − L̄) of that round's reported losses."""
+    cfg = frozen_config(tmp_path, rounds=3, eval__every=3)
+    run_sim(cfg, tmp_path / "run")
+    rounds = [
+        json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+    ]
+    rounds = [r for r in rounds if r["round"] >= 1 and "task" not in r]  # not round 0, pilot
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    lam = resolve_method("fedvr", {}).hp.lambda_var  # the default, 0.5
+    for r in rounds:
+        server = r["server"]
+        losses = np.array(server["loss_mean"])
+        shift = lam * 2 / len(losses) * (losses - losses.mean())
+        np.testing.assert_allclose(server["coef"], np.array(server["alpha"]) + shift, atol=1e-12)
+        assert server["loss_var_across_clients"] == pytest.approx(losses.var(), abs=1e-15)
+    assert rounds[0]["server"]["loss_mean"] != rounds[1]["server"]["loss_mean"]
+    (last,) = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert last["diagnostics"]["coef"] == rounds[2]["server"]["coef"]

@@ -279,6 +279,12 @@ class ServerAlgorithm(ABC):
         comparison of runs reads). None by default."""
         return {}
 
+    def round_record(self) -> dict[str, Any]:
+        """What the latest ``aggregate`` computed that a user follows round by round (FedVR:
+        α_i, c_i, L_var, gradient cosines), written to that round's record as ``server``
+        (rounds.jsonl every round; metrics.jsonl at evaluated rounds). None by default."""
+        return {}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 

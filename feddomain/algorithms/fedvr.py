@@ -356,6 +356,10 @@ class FedVRServer(SynchronousServer):
         return self._cached("zero_shot", lambda: self.synthesise(stats))
 
     # -- diagnostics and checkpoints
+    def round_record(self) -> dict[str, Any]:
+        """§5.3, §5.5, §5.9 every round (the evaluated rounds' diagnostics repeat them)."""
+        return dict(self.round_log)
+
     def diagnostics(self) -> dict[str, Any]:
         out = {**super().diagnostics(), **self.round_log}
         with torch.no_grad():

@@ -219,12 +219,14 @@ class Simulation:
         self.server.aggregate(rnd, _then_seed(replies, derive_seed(self.cfg.seed, SERVER, rnd)))
         timing["aggregate"] = time.perf_counter() - t0 - timing["train"]  # incl. stations
         timing.update({f"server_{k}": v for k, v in self.server.timings().items()})
+        server = self.server.round_record()
         return {
             "round": rnd,
             "time": timing,
             **self._sent(ledger_before),
             "participants": len(units),
             **self._loss_spread(),
+            **({"server": server} if server else {}),
         }
 
     def _loss_spread(self) -> dict[str, Any]:
