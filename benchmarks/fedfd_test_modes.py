@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from feddomain.algorithms.fedfd import evaluation_mode
+from feddomain.cli import run_experiment
 from feddomain.config import load_config
-from feddomain.data.federated import federations
+from feddomain.evaluation.report import read_metrics
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import derive_seed
 from feddomain.models.fedfd_bn import adapter_parameters, set_bn_mode
@@ -60,13 +60,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
-    torch.set_num_threads(cfg.torch_threads)  # as `feddomain run`: no oversubscription
-    (data,) = federations(cfg)
-    args.out.mkdir(parents=True)
-    (args.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    sim = TestModeScoring(cfg, data, args.out)
-    sim.run()
-    for record in sim.records:
+    (run_dir,) = run_experiment(cfg, args.out, quiet=True, simulation=TestModeScoring)
+    for record in read_metrics(run_dir / "metrics.jsonl"):
         print(json.dumps({"round": record["round"], **record["ood_by_test_mode"]}))
 
 

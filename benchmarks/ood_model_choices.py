@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from feddomain.cli import run_experiment
 from feddomain.config import load_config
-from feddomain.data.federated import federations
+from feddomain.evaluation.report import read_metrics
 from feddomain.federation.simulation import Simulation
 
 CHOICES = ("own", "mean_embedding", "parameter_average", "ensemble")
@@ -52,14 +52,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
-    torch.set_num_threads(cfg.torch_threads)  # as `feddomain run`: no oversubscription
-    (data,) = federations(cfg)
-    args.out.mkdir(parents=True)
-    sim = ChoiceScoring(cfg, data, args.out)
-    sim.run()
-    rounds = [r for r in sim.records if 20 <= r["round"] <= 100]
-    for r in sim.records:
+    (run_dir,) = run_experiment(cfg, args.out, quiet=True, simulation=ChoiceScoring)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    for r in records:
         print(r["round"], json.dumps({k: round(v, 4) for k, v in r["ood_by_choice"].items()}))
+    rounds = [r for r in records if 20 <= r["round"] <= 100]
     means = {c: float(np.mean([r["ood_by_choice"][c] for r in rounds])) for c in CHOICES}
     print("mean over rounds 20-100:", json.dumps({k: round(100 * v, 1) for k, v in means.items()}))
 

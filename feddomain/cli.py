@@ -32,6 +32,7 @@ from feddomain.sweep import add_command as add_sweep_command
 
 if TYPE_CHECKING:
     from feddomain.evaluation.report import Report
+    from feddomain.federation.simulation import Simulation
 
 console = Console(stderr=True)
 PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
@@ -301,25 +302,40 @@ def dry_run(cfg: ExperimentConfig) -> None:
 
 
 def run_experiment(
-    cfg: ExperimentConfig, out: Path, *, quiet: bool = False, resume: bool = False
+    cfg: ExperimentConfig,
+    out: Path,
+    *,
+    quiet: bool = False,
+    resume: bool = False,
+    simulation: type[Simulation] | None = None,
 ) -> list[Path]:
     """Run every split of ``cfg`` into ``out`` (one sub-directory per split when there are
     several); returns the run directories. Data problems surface before any training, and a
-    new run that fails before its first round leaves no directory behind."""
+    new run that fails before its first round leaves no directory behind. ``simulation``: a
+    subclass of the simulator that records more (benchmarks scoring extra evaluations)."""
     existed = out.exists()
     try:
-        return _run_splits(cfg, out, quiet=quiet, resume=resume)
+        return _run_splits(cfg, out, quiet=quiet, resume=resume, simulation=simulation)
     except FeddomainError:
         if not resume and not _has_rounds(out):
             _undo_start(out, existed)
         raise
 
 
-def _run_splits(cfg: ExperimentConfig, out: Path, *, quiet: bool, resume: bool) -> list[Path]:
+def _run_splits(
+    cfg: ExperimentConfig,
+    out: Path,
+    *,
+    quiet: bool,
+    resume: bool,
+    simulation: type[Simulation] | None = None,
+) -> list[Path]:
     import torch
 
     from feddomain.data.federated import federations
     from feddomain.federation.simulation import Simulation
+
+    simulation = simulation or Simulation
 
     torch.set_num_threads(cfg.torch_threads)
     feds = federations(cfg)
@@ -341,7 +357,7 @@ def _run_splits(cfg: ExperimentConfig, out: Path, *, quiet: bool, resume: bool) 
         label = f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}"
         try:
             with _progress(quiet, label, cfg.rounds) as tick:
-                sim = Simulation(cfg, fed, run_dir, progress=tick)
+                sim = simulation(cfg, fed, run_dir, progress=tick)
                 summary = sim.run()
         except KeyboardInterrupt:
             raise Interrupted(_interrupted(cfg, out, run_dir)) from None

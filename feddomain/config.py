@@ -393,17 +393,9 @@ def _check_batched(cfg: ExperimentConfig) -> None:
         return
     from feddomain.algorithms import resolve_method  # late: algorithms import this module
     from feddomain.federation.batched import batching_problem
-    from feddomain.models import model_skeleton
+    from feddomain.models import configured_skeleton
 
-    m = cfg.model
-    skeleton = model_skeleton(
-        m.name,
-        resolution=cfg.dataset.resolution,
-        options=m.options,
-        frozen=m.frozen,
-        head_hidden=m.head_hidden,
-        head_adapter=m.head_adapter,
-    )
+    skeleton = configured_skeleton(cfg)
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
     problem = batching_problem(
         method.not_batchable, method.prepare_model(skeleton), cfg.train, cfg.precision
@@ -420,19 +412,12 @@ def _check_weights(cfg: ExperimentConfig) -> None:
 
 def _check_model(cfg: ExperimentConfig) -> None:
     """Model name and options, by building the model's structure without weights or data."""
-    from feddomain.models import model_skeleton  # late: models are not needed otherwise
+    from feddomain.models import configured_skeleton  # late: models are not needed otherwise
 
-    m = cfg.model
     try:
-        model_skeleton(
-            m.name,
-            resolution=cfg.dataset.resolution,
-            options=m.options,
-            frozen=m.frozen,
-            head_hidden=m.head_hidden,
-            head_adapter=m.head_adapter,
-        )
+        configured_skeleton(cfg)
     except (TypeError, ValueError) as err:
+        m = cfg.model
         raise ConfigError(f"model {m.name!r} with options {m.options}: {err}") from None
 
 

@@ -402,19 +402,11 @@ def model_requirement(method: str, check: ModelCheck) -> ConfigCheck:
     weights, before hooks): FedBN refuses LeNet-5 when the config loads, naming ``model.name``."""
 
     def check_config(cfg: Any, hp: Hparams) -> None:
-        from feddomain.models import model_skeleton  # late: models are not needed otherwise
+        from feddomain.models import configured_skeleton  # late: models are not needed otherwise
 
-        m = cfg.model
-        skeleton = model_skeleton(
-            m.name,
-            resolution=cfg.dataset.resolution,
-            options=m.options,
-            frozen=m.frozen,
-            head_hidden=m.head_hidden,
-            head_adapter=m.head_adapter,
-        )
-        problem = check(skeleton, hp)
+        problem = check(configured_skeleton(cfg), hp)
         if problem:
+            m = cfg.model
             where = "'model.frozen' = true (only a head on cached features trains)"
             if not m.frozen:
                 options = f" (options {m.options})" if m.options else ""

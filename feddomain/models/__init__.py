@@ -140,12 +140,27 @@ def model_skeleton(
     return model
 
 
+def configured_skeleton(cfg: Any) -> nn.Module:
+    """``model_skeleton`` of an experiment config's model (``cfg.model`` at the dataset's
+    resolution): the one place config-time checks build it from."""
+    m = cfg.model
+    return model_skeleton(
+        m.name,
+        resolution=cfg.dataset.resolution,
+        options=m.options,
+        frozen=m.frozen,
+        head_hidden=m.head_hidden,
+        head_adapter=m.head_adapter,
+    )
+
+
 __all__ = [
     "IMAGENET_NORMALIZATION",
     "MODELS",
     "FeatureClassifier",
     "build_model",
     "check_weights",
+    "configured_skeleton",
     "input_normalization",
     "model_options",
     "model_skeleton",
