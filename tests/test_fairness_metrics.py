@@ -13,7 +13,7 @@ from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.evaluation.report import build_report
 from feddomain.federation.messages import Message
 from tests.engine_helpers import run_sim, temporary_method, tiny_config
-from tests.test_report import AT_SOURCE_VAL, table, write_run
+from tests.test_report import table, write_runs
 
 # a loss each client reports, chosen so that population and sample variance differ
 REPORTED = {0: 0.5, 1: 2.0, 2: 3.5, 3: 1.0}
@@ -59,12 +59,7 @@ def test_each_round_logs_its_participants_losses_and_their_population_variance(t
 
 @pytest.fixture
 def runs_root(tmp_path: Path) -> Path:
-    """test_report's finished runs: 2 methods x 2 targets x 2 seeds."""
-    root = tmp_path / "runs"
-    for (algo, target), per_seed in AT_SOURCE_VAL.items():
-        for seed, values in enumerate(per_seed):
-            write_run(root, algo, target, seed, values)
-    return root
+    return write_runs(tmp_path / "runs")
 
 
 def _set_fairness(run: Path, by_round: dict[int, tuple[float, float, float]]) -> None:

@@ -90,13 +90,17 @@ def write_run(
     return run
 
 
-@pytest.fixture
-def runs_root(tmp_path: Path) -> Path:
-    root = tmp_path / "runs"
+def write_runs(root: Path) -> Path:
+    """Finished runs of ``AT_SOURCE_VAL``: 2 methods x 2 targets x 2 seeds under ``root``."""
     for (algo, target), per_seed in AT_SOURCE_VAL.items():
         for seed, values in enumerate(per_seed):
             write_run(root, algo, target, seed, values)
     return root
+
+
+@pytest.fixture
+def runs_root(tmp_path: Path) -> Path:
+    return write_runs(tmp_path / "runs")
 
 
 def table(markdown: str, title: str) -> dict[str, list[str]]:
