@@ -14,17 +14,14 @@ added to metrics.jsonl as ``ood_by_test_mode``.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from scored_run import scored_run
 
 from feddomain.algorithms.fedfd import evaluation_mode
-from feddomain.cli import run_experiment
-from feddomain.config import load_config
 from feddomain.evaluation.report import read_metrics
 from feddomain.federation.simulation import Simulation
 from feddomain.federation.topology import derive_seed
@@ -54,13 +51,7 @@ class TestModeScoring(Simulation):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", type=Path)
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    (run_dir,) = run_experiment(cfg, args.out, quiet=True, simulation=TestModeScoring)
+    run_dir = scored_run(TestModeScoring, __doc__)
     for record in read_metrics(run_dir / "metrics.jsonl"):
         print(json.dumps({"round": record["round"], **record["ood_by_test_mode"]}))
 

@@ -11,15 +11,12 @@ Prints the ood accuracy of each choice per evaluated round and its mean over rou
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scored_run import scored_run
 
-from feddomain.cli import run_experiment
-from feddomain.config import load_config
 from feddomain.evaluation.report import read_metrics
 from feddomain.federation.simulation import Simulation
 
@@ -46,13 +43,7 @@ class ChoiceScoring(Simulation):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", type=Path)
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    (run_dir,) = run_experiment(cfg, args.out, quiet=True, simulation=ChoiceScoring)
+    run_dir = scored_run(ChoiceScoring, __doc__)
     records = read_metrics(run_dir / "metrics.jsonl")
     for r in records:
         print(r["round"], json.dumps({k: round(v, 4) for k, v in r["ood_by_choice"].items()}))
