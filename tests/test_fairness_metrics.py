@@ -92,3 +92,21 @@ def test_fairness_tables_read_the_selected_rounds_nested_spread(runs_root: Path)
     assert table(md, "## pacs — std of id accuracy over clients (%)")["fedavg"][0] == "10.0 ± 0.0"
     loss_var = table(md, "## pacs — variance of the clients' training losses")
     assert loss_var["fedavg"][0] == "0.025 ± 0.007"
+    assert loss_var["hfedf"][0] == "0.500 ± 0.000"
+
+
+def test_a_variance_below_0_01_is_printed_in_scientific_notation(runs_root: Path):
+    """Catches a small loss variance printed as 0.000 ± 0.000 (FedAvg's on frozen features
+    is ~1e-6: three decimals would show FedVR's 0.018 against a seeming zero), and the spread
+    printed in another notation than its mean. fedavg/photo: 2e-6 and 4e-6 -> 3.00e-06 ±
+    1.41e-06 (sample std of the two)."""
+    for seed, var in ((0, 2e-6), (1, 4e-6)):
+        _set_fairness(
+            runs_root / f"fedavg_photo_s{seed}", dict.fromkeys((5, 10, 15), (0.4, 0.1, var))
+        )
+    for run in runs_root.iterdir():
+        if not run.name.startswith("fedavg_photo"):
+            _set_fairness(run, dict.fromkeys((5, 10, 15), (0.25, 0.05, 0.5)))
+    md = build_report([runs_root], extra_metrics=("client_loss_var",)).to_markdown()
+    loss_var = table(md, "## pacs — variance of the clients' training losses")
+    assert loss_var["fedavg"][0] == "3.00e-06 ± 1.41e-06"

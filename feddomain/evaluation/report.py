@@ -131,15 +131,21 @@ class Stat:
 
     def cell(self, spread: str = "std", pm: str = "±", percent: bool = True) -> str:
         """Percentages with one decimal, as in the papers' tables (other values: three
-        decimals); a spread only when there are several seeds (one seed has none to show)."""
+        decimals; in scientific notation, spread included, when the mean is below 0.01, where
+        decimals would print a small variance as 0.000); a spread only when there are several
+        seeds (one seed has none to show)."""
+        scientific = not percent and 0 < abs(self.mean) < 0.01
         if self.n == 1:
-            return _number(self.mean, percent)
+            return _number(self.mean, percent, scientific)
         value = self.std if spread == "std" else self.se
-        return f"{_number(self.mean, percent)} {pm} {_number(value, percent)}"
+        mean, spread_ = _number(self.mean, percent, scientific), _number(value, percent, scientific)
+        return f"{mean} {pm} {spread_}"
 
 
-def _number(value: float, percent: bool) -> str:
-    return f"{100 * value:.1f}" if percent else f"{value:.3f}"
+def _number(value: float, percent: bool, scientific: bool = False) -> str:
+    if percent:
+        return f"{100 * value:.1f}"
+    return f"{value:.2e}" if scientific else f"{value:.3f}"
 
 
 @dataclass(frozen=True)
