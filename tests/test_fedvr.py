@@ -666,9 +666,9 @@ def test_mean_and_std_statistics_by_hand() -> None:
 
 
 def test_the_server_s_weights_and_coefficients_are_recorded_every_round(tmp_path: Path) -> None:
-    """Catches §5.9's quantities (α_i, c_i, L_var) kept only at evaluated rounds (every 3rd
-    here), a round's record holding another round's values, and c_i that are not α_i plus the
-    variance shift λ·(2/N)·(L_i − L̄) of that round's reported losses."""
+    """Catches §5.9's quantities (α_i, c_i, L_var) and §5.6's embedding spread kept only at
+    evaluated rounds (every 3rd here), a round's record holding another round's values, and c_i
+    that are not α_i plus the variance shift λ·(2/N)·(L_i − L̄) of that round's losses."""
     cfg = frozen_config(tmp_path, rounds=3, eval__every=3)
     run_sim(cfg, tmp_path / "run")
     rounds = [
@@ -688,3 +688,7 @@ def test_the_server_s_weights_and_coefficients_are_recorded_every_round(tmp_path
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert last["diagnostics"]["coef"] == rounds[2]["server"]["coef"]
+    # the embeddings' spread (§5.6) every round too, moving as the encoder trains
+    spreads = [r["server"]["embedding_l2_mean"] for r in rounds]
+    assert len(set(spreads)) == 3
+    assert spreads[2] == last["diagnostics"]["embedding_l2_mean"]

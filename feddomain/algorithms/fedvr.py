@@ -357,18 +357,21 @@ class FedVRServer(SynchronousServer):
 
     # -- diagnostics and checkpoints
     def round_record(self) -> dict[str, Any]:
-        """§5.3, §5.5, §5.9 every round (the evaluated rounds' diagnostics repeat them)."""
-        return dict(self.round_log)
+        """§5.3, §5.5, §5.6, §5.9 every round (the evaluated rounds' diagnostics repeat them)."""
+        return {**self.round_log, **self.geometry()}
 
     def diagnostics(self) -> dict[str, Any]:
-        out = {**super().diagnostics(), **self.round_log}
-        with torch.no_grad():
-            embeddings = self.hnet.embeddings_of(list(range(self.ctx.n_clients)))
-            new = None
-            if self.hnet.encoded and len(self.pilot) == 1:
-                new = self.hnet.encoder(next(iter(self.pilot.values())))
-                out["zero_shot_embedding"] = new.tolist()
-        return {**out, **embedding_geometry(embeddings, new)}
+        return {**super().diagnostics(), **self.round_log, **self.geometry()}
+
+    @torch.no_grad()
+    def geometry(self) -> dict[str, Any]:
+        """The clients' embeddings' spread, and the zero-shot embedding once a pilot set is in."""
+        embeddings = self.hnet.embeddings_of(list(range(self.ctx.n_clients)))
+        new = None
+        if self.hnet.encoded and len(self.pilot) == 1:
+            new = self.hnet.encoder(next(iter(self.pilot.values())))
+        out = embedding_geometry(embeddings, new)
+        return out if new is None else {**out, "zero_shot_embedding": new.tolist()}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "pilot": self.pilot, "round_log": self.round_log}
