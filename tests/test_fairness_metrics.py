@@ -13,7 +13,7 @@ from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.evaluation.report import build_report
 from feddomain.federation.messages import Message
 from tests.engine_helpers import run_sim, temporary_method, tiny_config
-from tests.test_report import table, write_runs
+from tests.test_report import _add_record_values, table, write_runs
 
 # a loss each client reports, chosen so that population and sample variance differ
 REPORTED = {0: 0.5, 1: 2.0, 2: 3.5, 3: 1.0}
@@ -64,13 +64,12 @@ def runs_root(tmp_path: Path) -> Path:
 
 def _set_fairness(run: Path, by_round: dict[int, tuple[float, float, float]]) -> None:
     """Give every record of ``run`` an id spread (min, std) and a loss variance."""
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    for record in records:
-        worst, std, var = by_round[record["round"]]
-        record["id_spread"] = {"mean": 0.5, "std": std, "min": worst, "max": 0.9}
-        record["client_loss_var"] = var
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    values = {
+        rnd: {"id_spread": {"mean": 0.5, "std": std, "min": worst, "max": 0.9},
+              "client_loss_var": var}
+        for rnd, (worst, std, var) in by_round.items()
+    }  # fmt: skip
+    _add_record_values(run, values)
 
 
 def test_fairness_tables_read_the_selected_rounds_nested_spread(runs_root: Path):
