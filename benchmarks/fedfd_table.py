@@ -33,13 +33,16 @@ def pct(x: float | None) -> str:
 def main(root: Path) -> None:
     records = final_records(root)
     methods = sorted({m for m, _ in records})
-    print("| method | " + " | ".join(f"{t} ood / id" for t in TARGETS) + " |")
-    print("|---|" + "---:|" * len(TARGETS))
+    print("| method | " + " | ".join(f"{t} ood / id" for t in TARGETS) + " | avg ood / id |")
+    print("|---|" + "---:|" * (len(TARGETS) + 1))
     for m in methods:
-        cells = []
-        for t in TARGETS:
-            r = records.get((m, t))
-            cells.append("—" if r is None else f"{pct(r['ood_acc'])} / {pct(r['id_acc'])}")
+        runs = [records.get((m, t)) for t in TARGETS]
+        cells = ["—" if r is None else f"{pct(r['ood_acc'])} / {pct(r['id_acc'])}" for r in runs]
+        if all(runs):  # the mean over targets only when every target has run
+            ood, id_ = (sum(r[k] for r in runs) / len(runs) for k in ("ood_acc", "id_acc"))
+            cells.append(f"{pct(ood)} / {pct(id_)}")
+        else:
+            cells.append("—")
         print(f"| {m} | " + " | ".join(cells) + " |")
     print()
     print("Test modes on one trained model (ood %):\n")
