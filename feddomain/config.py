@@ -163,6 +163,9 @@ class AugmentSection(Section):
     """Brightness, contrast, saturation, hue jitter; null: off."""
     grayscale_p: float = Field(0.0, ge=0.0, le=1.0)
     """Probability of converting an image to greyscale."""
+    invert_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability of inverting an image's colours (1 - x, torchvision's `RandomInvert`): makes a
+    model blind to light-on-dark vs dark-on-light."""
 
 
 class TrainConfig(Section):

@@ -22,7 +22,11 @@ from feddomain.data.augment import (
 from feddomain.errors import ConfigError, DataError
 
 ALL_ON = AugmentConfig(
-    hflip=True, random_resized_crop=(0.5, 1.0), color_jitter=(0.4, 0.4, 0.4, 0.1), grayscale_p=0.2
+    hflip=True,
+    random_resized_crop=(0.5, 1.0),
+    color_jitter=(0.4, 0.4, 0.4, 0.1),
+    grayscale_p=0.2,
+    invert_p=0.5,
 )
 
 
@@ -203,6 +207,22 @@ def test_grayscale_probability_is_per_sample() -> None:
     assert torch.equal(out[~grey], (x[~grey].float() / 255))
 
 
+def test_inversion_is_torchvisions_per_sample_and_drawn_from_the_generator() -> None:
+    """Catches an inversion that is not 1 - x (torchvision's ``invert`` on floats), that flips
+    the whole batch or no sample instead of each with probability p, that leaves an inverted
+    sample partly unchanged, or that ignores the caller's generator (unreproducible runs)."""
+    x = images(n=2000, size=4)
+    out = BatchAugment(AugmentConfig(invert_p=0.3), None, None)(x, gen(0))
+    unit = x.float() / 255
+    inverted = (out != unit).flatten(1).any(1)
+    assert 0.26 < inverted.float().mean().item() < 0.34
+    assert torch.equal(out[inverted], TF.invert(unit[inverted]))
+    assert torch.equal(out[~inverted], unit[~inverted])
+    again = BatchAugment(AugmentConfig(invert_p=0.3), None, None)(x, gen(0))
+    other = BatchAugment(AugmentConfig(invert_p=0.3), None, None)(x, gen(1))
+    assert torch.equal(out, again) and not torch.equal(out, other)
+
+
 def test_brightness_jitter_draws_one_factor_per_sample_from_its_range() -> None:
     x = torch.full((512, 3, 4, 4), 100, dtype=torch.uint8)  # 100 * 1.5 stays below 255
     out = BatchAugment(AugmentConfig(color_jitter=(0.5, 0.0, 0.0, 0.0)), None, None)(x, gen(0))
@@ -246,6 +266,7 @@ def test_config_lists_from_yaml_are_accepted() -> None:
         ({"color_jitter": (0.0, 0.0, 0.0, 0.6)}, "hue must be <= 0.5"),
         ({"color_jitter": (math.nan, 0.0, 0.0, 0.0)}, "color_jitter"),
         ({"grayscale_p": 1.5}, "grayscale_p"),
+        ({"invert_p": -0.1}, "invert_p must be in"),
     ],
 )
 def test_bad_config_values_are_named(kwargs, match) -> None:

@@ -111,7 +111,7 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
     assert main(["demo", *args]) == 0
     printed = capsys.readouterr().out
     table = markdown_rows(printed, "— ood accuracy (%)")
-    assert set(table) == set(DEMO_METHODS) == {"fedavg", "local", "central", "hfedf"}
+    assert set(table) == set(DEMO_METHODS) == {"fedavg", "fedprox", "local", "central"}
     for method in DEMO_METHODS:
         summary = json.loads((out / method / "summary.json").read_text())
         assert summary["method"] == method and summary["target_domains"] == ["sketch"]
@@ -123,6 +123,25 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
     assert (out / "report" / "report.csv").is_file() and (out / "report" / "report.md").is_file()
     assert printed.rstrip().endswith(f"open in a browser: {out / 'report' / 'report.html'}")
     assert (out / "report" / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_the_demo_tells_the_fdg_story_on_every_target(tmp_path, capsys):
+    """Catches the demo's first table looking like a bug or telling no story: a target below
+    chance under some method (grey was at 0.1-0.4% under every method with LeNet-5 and no colour
+    inversion), a federated method not ahead of Local-only on the average unseen domain, or
+    Central (all source data pooled) not the upper reference. Margins measured with seeds 0 and
+    1: ood above 15% everywhere, federated 7-9 points ahead of Local-only, Central 15 ahead."""
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--quiet"]) == 0  # ~1-2 min
+    printed = capsys.readouterr().out
+    table = markdown_rows(printed, "— ood accuracy (%)")
+    average = {method: float(row[4]) for method, row in table.items()}
+    for method, row in table.items():
+        for target, cell in zip(("grey", "inverted", "mnistm", "sketch"), row[:4], strict=True):
+            assert float(cell) > 12.0, (method, target, cell)  # chance is 10%
+    assert "below chance" not in printed
+    for federated in ("fedavg", "fedprox"):
+        assert average[federated] > average["local"] + 3, average
+    assert average["central"] > max(average["fedavg"], average["fedprox"]) + 5, average
 
 
 def test_run_help_lists_every_method_with_its_description(capsys):
@@ -140,10 +159,9 @@ def test_run_help_lists_every_method_with_its_description(capsys):
     assert "(McMahan et al., AISTATS 2017)" in listed["fedavg"]
 
 
-def test_a_target_below_chance_under_every_method_is_explained(tmp_path):
-    """Catches a demo table with a target far below chance (grey: 0.2% under every method)
-    and no word on why, which reads as a bug; and a note for a target where some method is
-    above chance."""
+def test_a_target_below_chance_under_every_method_is_flagged(tmp_path):
+    """Catches a demo table with a target far below chance under every method and no word on
+    it, which reads as a bug; and a note for a target where some method is above chance."""
     from feddomain.cli import below_chance_notes
     from feddomain.evaluation.report import build_report
     from tests.test_report import write_run
@@ -156,5 +174,4 @@ def test_a_target_below_chance_under_every_method_is_explained(tmp_path):
     write_run(tmp_path, "local", "mnistm", 0, (0.30, 0.9, 0.1))  # above chance: no note
     grey, sketch = below_chance_notes(build_report([tmp_path]), n_classes=10)
     assert grey.startswith("note: on target grey every method is below chance (10%)")
-    assert "only light-on-dark domain" in grey
     assert sketch.startswith("note: on target sketch") and "please report it" in sketch

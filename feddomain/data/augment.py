@@ -6,7 +6,8 @@ torchvision's semantics for one image; the parameters are drawn per sample from 
 ``torch.Generator``, so a run is reproducible and resumable from the generator's state.
 
 Pipeline order (as in the usual torchvision recipe): random resized crop, horizontal flip, colour
-jitter (brightness, contrast, saturation, hue), random grayscale, then ``/255`` and mean/std.
+jitter (brightness, contrast, saturation, hue), random grayscale, random inversion, then ``/255``
+and mean/std.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class AugmentConfig:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     color_jitter: tuple[float, float, float, float] | None = None
     grayscale_p: float = 0.0
+    invert_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.random_resized_crop is not None:
@@ -63,8 +65,9 @@ class AugmentConfig:
                 )
             if jitter[3] > 0.5:
                 raise ConfigError(f"color_jitter hue must be <= 0.5, got {jitter[3]!r}")
-        if not 0.0 <= self.grayscale_p <= 1.0:
-            raise ConfigError(f"grayscale_p must be in [0, 1], got {self.grayscale_p!r}")
+        for name in ("grayscale_p", "invert_p"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
 
 
 class BatchAugment:
@@ -104,6 +107,9 @@ class BatchAugment:
         if cfg.grayscale_p > 0:
             grey = _rand((n,), generator, x.device) < cfg.grayscale_p
             x = torch.where(grey.view(n, 1, 1, 1), to_grayscale(x).expand_as(x), x)
+        if cfg.invert_p > 0:  # torchvision's RandomInvert: 1 - x
+            invert = (_rand((n,), generator, x.device) < cfg.invert_p).nonzero().squeeze(1)
+            x[invert] = 1 - x[invert]
         return self._standardize(x)
 
     def normalize(self, images_u8: torch.Tensor) -> torch.Tensor:
