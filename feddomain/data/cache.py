@@ -208,7 +208,7 @@ class CacheWriter:
             self.entry.meta.unlink(missing_ok=True)
             os.replace(self._tmp, self.entry.images)
             self._tmp = None
-            _write_atomic(self.entry.meta, json.dumps(meta, indent=1).encode())
+            write_atomic(self.entry.meta, json.dumps(meta, indent=1).encode())
         except OSError as exc:
             raise _unwritable(self.entry.images, exc) from exc
 
@@ -231,7 +231,7 @@ def _create_tmp(target: Path) -> tuple[int, Path]:
     return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = _create_tmp(path)
     try:
         with os.fdopen(fd, "wb") as f:

