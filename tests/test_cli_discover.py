@@ -59,7 +59,7 @@ def test_dry_run_prints_the_resolved_config_and_partition_and_writes_nothing(
     out = capsys.readouterr().out
     resolved = yaml.safe_load(out.split("lodo-sketch:")[0])
     assert resolved["rounds"] == 3 and resolved["split"]["targets"] == ["sketch"]
-    assert resolved["train"]["lr"] == 0.001 and resolved["topology"]["stations"] == 0
+    assert resolved["train"]["lr"] == 0.003 and resolved["topology"]["stations"] == 0
     assert "lodo-sketch: client x domain training samples" in out
     assert list(tmp_path.iterdir()) == []
 

@@ -73,7 +73,17 @@ from tests.test_engine_contract import COUNTING, LABEL_MEAN
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEMO = PROJECT / "configs" / "demo.yaml"
-BASE = ["rounds=2", "split.targets=[grey]", "checkpoint.every=0", "train.batch_size=128"]
+# The federation these tests deploy: the demo's data and clients, with LeNet-5 (the cheapest model;
+# `model.options={}` drops the demo's small-CNN options) and no augmentation (rounds by hand).
+BASE = [
+    "model.name=lenet5",
+    "model.options={}",
+    "train.augment.invert_p=0",
+    "rounds=2",
+    "split.targets=[grey]",
+    "checkpoint.every=0",
+    "train.batch_size=128",
+]
 
 
 def demo_config(*overrides: str) -> ExperimentConfig:
