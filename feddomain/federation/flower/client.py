@@ -110,15 +110,17 @@ class NodeRunner:
     def evaluate(
         self, cid: int, envelope: dict[str, Any], offered: Arrays | None, context: Context
     ) -> dict[str, Any]:
-        """Score the model this client would use on its validation split (id) and on every
-        held-out domain (ood), as ``Simulation.evaluate`` does for one client. ``own`` says
-        whether the client replaced the offered arrays with its own model."""
+        """Score the model this client would use on its validation split (id) and, if it is the
+        client's own model or the server asked this node to (``held_out``), on every held-out
+        domain (ood), as ``Simulation.evaluate`` does for one client. ``own`` says whether the
+        client replaced the offered arrays with its own model."""
         sim = self.sim
         sim.states[cid] = self._state(cid, envelope, context)
         arrays = sim.load_eval_model(cid, offered)
-        ood, held_out_val = sim.score_held_out()
+        own = arrays is not offered
+        ood, held_out_val = sim.score_held_out() if own or envelope["held_out"] else ({}, {})
         return {
-            "own": arrays is not offered,
+            "own": own,
             "id": result_to_json(sim.score_id(cid)),
             "ood": results_to_json(ood),
             "val": results_to_json(held_out_val),

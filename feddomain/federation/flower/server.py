@@ -440,28 +440,32 @@ class FlowerRunner(Simulation):
         )
 
     def evaluate(self) -> dict[str, Any]:
-        """Each node scores the model its client would use; one shared model is scored on the
-        target domains by every node but counted once, as in the simulator. The unseen-domain
-        model, if the method has one, is scored by a node holding the target set."""
+        """Each node scores the model its client would use on its validation split. A model
+        the server offers to several clients is scored on the held-out domains once, as in the
+        simulator: by the first node holding the target set that it is offered to (the others
+        would repeat the same work in parallel), or, if that node is lost or keeps its own
+        model, by one that answered using it. A client's own model is scored by its node. The
+        unseen-domain model, if the method has one, is scored by a node holding the target
+        set."""
         offers = {cid: self.server.eval_arrays(cid) for cid in range(self.data.n_clients)}
+        scorers = self._held_out_scorers(offers)
         items = []
         for cid, arrays in offers.items():
-            msg = Message("evaluate", arrays or {})
-            envelope = {**self._envelope(cid, 0), "has_model": arrays is not None}
-            items.append((cid, to_content(msg, **envelope)))
+            items.append((cid, self._eval_content(cid, arrays, held_out=cid in scorers)))
         replies = self.link.exchange(EVALUATE, items, self._rnd)
         decoded = {cid: dict(replies[cid].config_records[ENVELOPE]) for cid in sorted(replies)}
         models = {
             cid: ("client", cid) if r["own"] else ("server", id(offers[cid]))
             for cid, r in decoded.items()
         }
-        held_out: dict[tuple[str, int], tuple[dict, dict]] = {}  # model -> first scores of it
+        held_out: dict[tuple[str, int], tuple[dict, dict]] = {}  # model -> its scores
         for cid, reply in decoded.items():
-            if models[cid] in held_out:
-                continue
             targets = results_from_json(str(reply["ood"]))
-            if targets:  # a site without the target set scores none
+            if targets and models[cid] not in held_out:  # sites without the target set: none
                 held_out[models[cid]] = (targets, results_from_json(str(reply["val"])))
+        for cid in self.link.target_clients:
+            if cid in models and models[cid] not in held_out:
+                self._score_held_out_at(cid, offers[cid], models[cid], held_out)
         id_results = [result_from_json(str(r["id"])) for r in decoded.values()]
         per_client = [held_out.get(models[cid], ({}, {})) for cid in decoded]
         return _summarise_eval(
@@ -471,6 +475,34 @@ class FlowerRunner(Simulation):
             len(set(models.values())),
             self.unseen_scores(),
         )
+
+    def _held_out_scorers(self, offers: dict[int, Arrays | None]) -> set[int]:
+        """For each model the server offers, the first client holding the target set it is
+        offered to."""
+        first: dict[int, int] = {}
+        for cid in self.link.target_clients:
+            if offers[cid] is not None:
+                first.setdefault(id(offers[cid]), cid)
+        return set(first.values())
+
+    def _eval_content(self, cid: int, arrays: Arrays | None, *, held_out: bool) -> RecordDict:
+        msg = Message("evaluate", arrays or {})
+        envelope = {**self._envelope(cid, 0), "has_model": arrays is not None}
+        return to_content(msg, **envelope, held_out=held_out)
+
+    def _score_held_out_at(
+        self, cid: int, arrays: Arrays | None, model: tuple[str, int], held_out: dict
+    ) -> None:
+        """Ask client ``cid``'s node (which answered with ``model``) to score it on the held-out
+        domains too; kept only if the node used that model again."""
+        content = self._eval_content(cid, arrays, held_out=True)
+        reply = self.link.exchange(EVALUATE, [(cid, content)], self._rnd, required=0).get(cid)
+        if reply is None:
+            return
+        answer = dict(reply.config_records[ENVELOPE])
+        if bool(answer["own"]) == (model[0] == "client"):
+            ood, val = results_from_json(str(answer["ood"])), results_from_json(str(answer["val"]))
+            held_out[model] = (ood, val)
 
     def _save(self, rnd: int, elapsed: float) -> None:
         """The server's checkpoint; each client's state is kept by its node (``state-dir``),
