@@ -6,7 +6,7 @@
 # that both runs wrote the same metrics.
 #   bash benchmarks/flower_roundtrip.sh [WORKDIR]
 # LOCAL_OPTS and RUN_OPTS add options to `feddomain flower local` and `feddomain flower run`:
-#   LOCAL_OPTS="--node-poll 0.05" bash benchmarks/flower_roundtrip.sh   # fast-polling SuperNodes
+#   LOCAL_OPTS="--node-poll 0" bash benchmarks/flower_roundtrip.sh      # Flower's own 3 s idle poll
 #   RUN_OPTS="--poll-interval 0.2" bash benchmarks/flower_roundtrip.sh  # the ServerApp's old pull
 # With FLWR_LOG_LEVEL=DEBUG (timestamps in the SuperNodes' logs) it also splits each round trip
 # into the ClientApp's own time (node received the message -> node sends the reply, the slowest

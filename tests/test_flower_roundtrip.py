@@ -102,28 +102,38 @@ def pull_defaults(monkeypatch):
     return pulls
 
 
+def _pull_seconds(missing_asks: int) -> float:
+    """Seconds Flower's ``pull_objects`` takes for one object the source lacks at its first
+    ``missing_asks`` asks."""
+    asked = []
+
+    def pull_object(object_id: str) -> bytes:
+        asked.append(object_id)
+        if len(asked) <= missing_asks:
+            raise ObjectUnavailableError(object_id)
+        return b"content"
+
+    start = time.monotonic()
+    assert inflatable_utils.pull_objects(["a"], pull_object) == {"a": b"content"}
+    return time.monotonic() - start
+
+
 def test_an_object_not_there_yet_is_retried_after_the_cap_not_1_s(pull_defaults) -> None:
     """Catches the backoff cap missing the default Flower's pulls really use (node, ClientApp
     and ServerApp leave it at 1 s): an object that is missing at the first ask arrives after
     ~1 s uncapped, after ~0.01 s capped."""
-
-    def pull_seconds() -> float:
-        asked = []
-
-        def pull_object(object_id: str) -> bytes:
-            asked.append(object_id)
-            if len(asked) == 1:
-                raise ObjectUnavailableError(object_id)
-            return b"content"
-
-        start = time.monotonic()
-        assert inflatable_utils.pull_objects(["a"], pull_object) == {"a": b"content"}
-        return time.monotonic() - start
-
-    assert pull_seconds() > 0.7  # Flower's own first retry: 1 s +-20%
+    assert _pull_seconds(1) > 0.7  # Flower's own first retry: 1 s +-20%
     supernode.cap_pull_backoff(0.01)
-    assert pull_seconds() < 0.5
+    assert _pull_seconds(1) < 0.5
     assert [p.__kwdefaults__["initial_backoff"] for p in pull_defaults] == [0.01, 0.01]
+
+
+def test_capped_retries_do_not_double(pull_defaults) -> None:
+    """Catches the retries doubling from the cap (0.05, 0.1, 0.2, 0.4 s: 0.75 s for an object
+    missing at 4 asks, which overshoots its arrival): capped, they come every 0.05 s (0.2 s)."""
+    supernode.cap_pull_backoff(0.05)
+    assert _pull_seconds(4) < 0.45  # doubling: 0.75 s +-20%
+    assert [p.__kwdefaults__["backoff_cap"] for p in pull_defaults] == [0.05, 0.05]
 
 
 def test_capped_sleep_never_sleeps_longer_than_asked() -> None:
@@ -189,14 +199,14 @@ def test_the_serverapp_pull_interval_reaches_the_run_config(monkeypatch, tmp_pat
 def test_non_positive_polls_are_refused_by_name_before_anything_starts(
     tmp_path, capsys, monkeypatch
 ) -> None:
-    """Catches a zero poll (a busy loop in every node, or in the ServerApp) reaching the
+    """Catches a negative node poll or a zero ServerApp poll (a busy loop) reaching the
     processes instead of being refused where the user typed it."""
     started = []
     monkeypatch.setattr(
         "feddomain.federation.flower.deploy.LocalFederation.start", lambda s: started.append(s)
     )
-    assert main(["flower", "local", "--node-poll", "0", "--workdir", str(tmp_path)]) == 2
-    assert "poll interval must be positive, got 0.0" in capsys.readouterr().err
+    assert main(["flower", "local", "--node-poll", "-1", "--workdir", str(tmp_path)]) == 2
+    assert "poll interval must be positive, got -1.0" in capsys.readouterr().err
     args = ["flower", "run", DEMO, "--out", str(tmp_path / "o"), "--poll-interval", "-1"]
     assert main(args) == 2
     assert "--poll-interval must be positive, got -1.0" in capsys.readouterr().err
@@ -216,3 +226,46 @@ def test_a_deployment_with_capped_polls_equals_the_simulator(tmp_path) -> None:
         out = fed.workdir / "fedavg"
         submit(fed, out)
     assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
+
+
+def test_a_fab_is_unzipped_and_verified_once_per_content(monkeypatch, tmp_path) -> None:
+    """Catches the warm executor's tasks unzipping and hash-checking the App for every message
+    (~45 ms each), a different App (new content) not being installed, and an App folder
+    removed since (a marker without its folder) being trusted."""
+    import flwr.supernode.runtime.run_clientapp as clientapp_runtime
+
+    from feddomain.federation.flower import warm
+
+    installs = []
+
+    def install(fab: bytes, install_dir: Path | None, skip_prompt: bool) -> Path:
+        path = install_dir / "apps" / f"app.{len(installs)}"
+        path.mkdir(parents=True)
+        installs.append(fab)
+        return path
+
+    monkeypatch.setattr(warm, "install_from_fab", install)
+    assert clientapp_runtime.install_from_fab is warm.install_once  # what run_clientapp calls
+    first = warm.install_once(b"app v1", tmp_path, True)
+    assert warm.install_once(b"app v1", tmp_path, True) == first
+    assert installs == [b"app v1"]
+    warm.install_once(b"app v2", tmp_path, True)
+    assert installs == [b"app v1", b"app v2"]
+    first.rmdir()
+    assert warm.install_once(b"app v1", tmp_path, True) != first
+    assert installs == [b"app v1", b"app v2", b"app v1"]
+
+
+@pytest.mark.parametrize(("option", "poll"), [([], 0.05), (["--node-poll", "0"], None)])
+def test_local_nodes_poll_fast_unless_told_otherwise(option, poll, tmp_path, monkeypatch) -> None:
+    """Catches ``flower local`` going back to Flower's 3 s idle poll by default (3 s of every
+    round trip on loopback), or ``--node-poll 0`` not giving Flower's own waits back."""
+    started = []
+
+    def start(federation: LocalFederation) -> None:
+        started.append(federation.node_poll)
+        raise KeyboardInterrupt  # stop before any process is started
+
+    monkeypatch.setattr("feddomain.federation.flower.deploy.LocalFederation.start", start)
+    main(["flower", "local", *option, "--workdir", str(tmp_path)])
+    assert started == [poll]

@@ -24,6 +24,9 @@ import yaml
 from feddomain.config import load_config
 from feddomain.errors import FeddomainError, Interrupted
 
+# `flower local`'s nodes poll every 0.05 s, not Flower's 3 s: a few nodes on loopback, where
+# the fixed waits were most of a round trip (docs/performance.md, "Flower deployment overhead").
+LOCAL_NODE_POLL = 0.05
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     flower = sub.add_parser("flower", help="deploy on Flower: a local federation, submit runs")
@@ -42,10 +45,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     local.add_argument(
         "--node-poll",
         type=float,
+        default=LOCAL_NODE_POLL,
         metavar="SECONDS",
         help="SuperNodes ask for work this often instead of Flower's fixed 3 s, and message "
-        "objects are retried this soon instead of after 1 s (flwr 1.41 only; see "
-        "feddomain/federation/flower/supernode.py)",
+        f"objects are retried this often instead of after 1 s, 2 s, ... (default "
+        f"{LOCAL_NODE_POLL}; 0: Flower's own waits; see feddomain/federation/flower/supernode.py)",
     )
     local.add_argument(
         "--state-dir",
@@ -134,17 +138,18 @@ def cmd_local(args: argparse.Namespace) -> None:
                 f"--sites {args.sites}: no folder(s) {missing or ['target']}; write them with "
                 "`feddomain data export CONFIG --out DIR`"
             )
-    if args.node_poll is not None:
+    node_poll = args.node_poll or None  # 0: Flower's own waits
+    if node_poll is not None:
         from feddomain.federation.flower.supernode import check_poll
 
-        check_poll(args.node_poll)
+        check_poll(node_poll)
     nodes = 0 if args.simulation else args.nodes
     with LocalFederation(
         nodes,
         args.workdir.resolve(),
         tls=tls,
         warm=not (args.cold or args.simulation),
-        node_poll=args.node_poll,
+        node_poll=node_poll,
         sites=args.sites,
         simulation=args.simulation,
         node_config={STATE_DIR: str(args.state_dir.resolve())} if args.state_dir else {},

@@ -16,8 +16,8 @@ is a flag or an environment variable:
 
 This entry point runs Flower's own ``flower-supernode`` with both shortened to ``--poll``
 seconds: every sleep of the loop's module is capped (its ``time`` replaced by one whose
-``sleep`` is capped; the module uses ``time`` for nothing else) and the object pulls' first
-retry comes after ``--poll`` seconds (doubling from there as before). ``warm.py --poll`` does the
+``sleep`` is capped; the module uses ``time`` for nothing else) and the object pulls retry
+every ``--poll`` seconds. ``warm.py --poll`` does the
 latter for the ClientApps and ServerApps it forks. Nothing else changes: the same CLI, the same
 loop. Both are refused on a flwr version they were not checked against::
 
@@ -34,7 +34,7 @@ import sys
 import time
 
 import flwr
-from flwr.supercore.constant import PULL_INITIAL_BACKOFF
+from flwr.supercore.constant import PULL_BACKOFF_CAP, PULL_INITIAL_BACKOFF
 from flwr.supercore.inflatable import inflatable_utils
 
 from feddomain.errors import FeddomainError
@@ -68,19 +68,22 @@ def check_poll(cap: float) -> None:
 
 
 def cap_pull_backoff(cap: float) -> None:
-    """Retry an object that is not there yet after ``cap`` seconds, not 1 s (then doubling as
-    Flower does): the defaults of Flower's two object-pull functions, which every caller (node,
-    ClientApp, ServerApp's Grid) leaves at their default."""
+    """Retry an object that is not there yet every ``cap`` seconds, not after 1 s, 2 s, 4 s
+    ...: the defaults of Flower's two object-pull functions, which every caller (node,
+    ClientApp, ServerApp's Grid) leaves at their default. (Doubling from ``cap`` still
+    overshot: an object that arrived 0.1 s late was fetched up to 0.2 s later.)"""
     check_poll(cap)
     pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    expected = {"initial_backoff": PULL_INITIAL_BACKOFF, "backoff_cap": PULL_BACKOFF_CAP}
     for pull in pulls:
-        if (pull.__kwdefaults__ or {}).get("initial_backoff") != PULL_INITIAL_BACKOFF:
+        defaults = pull.__kwdefaults__ or {}
+        if any(defaults.get(name) != value for name, value in expected.items()):
             raise FeddomainError(
-                f"flwr's {pull.__name__} has no initial_backoff={PULL_INITIAL_BACKOFF} default "
-                "to shorten; run without the poll option"
+                f"flwr's {pull.__name__} has no initial_backoff={PULL_INITIAL_BACKOFF} and "
+                f"backoff_cap={PULL_BACKOFF_CAP} defaults to shorten; run without the poll option"
             )
     for pull in pulls:
-        pull.__kwdefaults__["initial_backoff"] = cap
+        pull.__kwdefaults__.update(initial_backoff=cap, backoff_cap=cap)
 
 
 def cap_node_sleeps(cap: float) -> None:
