@@ -28,6 +28,7 @@ from feddomain.errors import FeddomainError, Interrupted
 # the fixed waits were most of a round trip (docs/performance.md, "Flower deployment overhead").
 LOCAL_NODE_POLL = 0.05
 
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     flower = sub.add_parser("flower", help="deploy on Flower: a local federation, submit runs")
     fsub = flower.add_subparsers(dest="flower_command", required=True)

@@ -41,9 +41,9 @@ from flwr.superlink.runtime import run_serverapp
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 
 import feddomain.federation.flower.server  # noqa: F401 - warm-up: torch, models, both Apps
+from feddomain.data.cache import write_atomic
 from feddomain.federation.flower.deploy import READY
 from feddomain.federation.flower.supernode import cap_pull_backoff
-from feddomain.data.cache import write_atomic
 
 WARM_TASKS = (TaskType.CLIENT_APP, TaskType.SERVER_APP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
