@@ -25,6 +25,7 @@ import html
 import json
 import math
 import re
+import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -75,6 +76,7 @@ CSV_COLUMNS = (
 )  # fmt: skip
 SPREADS = ("std", "se")
 PHASES = ("train", "aggregate", "evaluate")  # a round's phases in rounds.jsonl, in this order
+CHARS_PER_INCH = 9  # of a figure title at matplotlib's default size, with a margin
 # config keys that do not change what a run computes: runs differing only here are one setting
 NEUTRAL_KEYS = frozenset(
     {"name", "seed", "threads", "dataset.root", "dataset.cache_dir", "split.targets",
@@ -732,9 +734,10 @@ def _plot_curves(groups: list[GroupResult]) -> Figure:
             _draw_curve(ax, g, metric, colours[g.algorithm])
         ax.set_title(METRIC_TITLES[metric])
     _legend_below(fig, axes[1])
-    fig.suptitle(
+    _suptitle(
+        fig,
         f"{groups[0].dataset}, unseen target {groups[0].target}: mean over seeds, band from "
-        "lowest to highest seed, ★ selected round"
+        "lowest to highest seed, ★ selected round",
     )
     return fig
 
@@ -750,8 +753,13 @@ def _overview(dataset: str, by_target: dict[str, list[GroupResult]]) -> Figure:
             _draw_curve(ax, g, "ood_acc", colours[g.algorithm])
         ax.set_title(f"target {target}")
     _legend_below(fig, axes[-1])
-    fig.suptitle(f"{dataset}: ood accuracy per unseen target (★ selected round)")
+    _suptitle(fig, f"{dataset}: ood accuracy per unseen target (★ selected round)")
     return fig
+
+
+def _suptitle(fig: Figure, text: str) -> None:
+    """The figure's title, wrapped to its width (a one-panel figure clipped a one-line title)."""
+    fig.suptitle(textwrap.fill(text, width=int(fig.get_figwidth() * CHARS_PER_INCH)))
 
 
 def _legend_below(fig: Figure, ax) -> None:
@@ -808,7 +816,7 @@ def _plot_reliability(groups: list[GroupResult]) -> Figure | None:
     pooled = [(g, p) for g, p in pooled if p is not None]
     if not pooled:
         return None
-    fig = Figure(figsize=(3.2 * len(pooled), 3.4), layout="constrained")
+    fig = Figure(figsize=(max(3.2 * len(pooled), 4.8), 3.6), layout="constrained")
     axes = fig.subplots(1, len(pooled), squeeze=False)[0]
     for ax, (g, p) in zip(axes, pooled, strict=True):
         n_bins = len(p["count"])
@@ -819,12 +827,20 @@ def _plot_reliability(groups: list[GroupResult]) -> Figure | None:
         ax.plot([0, 1], [0, 1], "k--", linewidth=0.8)
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", title=g.algorithm)
         ece = 100 * expected_calibration_error(p)
-        ax.text(0.97, 0.05, f"ECE {ece:.1f}%", ha="right", transform=ax.transAxes)
+        ax.text(  # on a white box: over-confident bars fill this corner
+            0.97,
+            0.05,
+            f"ECE {ece:.1f}%",
+            ha="right",
+            transform=ax.transAxes,
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
+        )
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize="small", loc="upper left")
-    fig.suptitle(
+    _suptitle(
+        fig,
         f"Reliability on unseen target {groups[0].target} ({groups[0].dataset}), "
-        "each run's reported model, seeds pooled"
+        "each run's reported model, seeds pooled",
     )
     return fig
 
@@ -865,7 +881,7 @@ def _plot_confidence(groups: list[GroupResult]) -> Figure | None:
             ax.set(title=f"{g.algorithm} — {split}", xlim=(0, 1), xlabel="max probability")
     axes[0][0].set_ylabel("density")
     axes[0][0].legend(fontsize="small", loc="upper left")
-    fig.suptitle(f"{groups[0].dataset} target {groups[0].target}: confidence, correct vs wrong")
+    _suptitle(fig, f"{groups[0].dataset} target {groups[0].target}: confidence, correct vs wrong")
     return fig
 
 
