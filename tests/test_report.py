@@ -414,6 +414,16 @@ def test_reliability_panels_state_their_ece(runs_root: Path):
     assert [ax.get_title() for ax in fig.axes] == ["fedavg", "hfedf"]
 
 
+def test_a_one_panel_figure_title_fits_its_figure(runs_root: Path):
+    """Catches a figure title wider than a one-panel figure (it was clipped at both sides):
+    the rendered title's extent lies within the figure's."""
+    report = build_report([runs_root])
+    fig = _plot_reliability([g for g in report.groups if g.target == "photo"][:1])
+    fig.canvas.draw()  # Agg, no display
+    title = fig._suptitle.get_window_extent()
+    assert title.x0 >= 0 and title.x1 <= fig.bbox.width
+
+
 class _Page(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
