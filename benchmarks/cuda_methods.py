@@ -8,8 +8,8 @@ difference of the run's accuracies (id, ood, and every evaluated round's) from t
 the wall times. CUDA and CPU are never bit-comparable (other kernels, other summation orders;
 bf16 rounds matmul inputs to 8 bits of mantissa): docs/performance.md states the tolerance.
 
-    python benchmarks/cuda_methods.py --out cuda_methods.json         # cpu, cuda, cuda-bf16
-    python benchmarks/cuda_methods.py --devices cpu cpu --methods fedavg  # a dry run on a CPU
+    PYTHONPATH=. python benchmarks/cuda_methods.py --out cuda_methods.json   # cpu, cuda, cuda-bf16
+    PYTHONPATH=. python benchmarks/cuda_methods.py --devices cpu cpu --methods fedavg  # dry run
 """
 
 from __future__ import annotations
@@ -27,39 +27,7 @@ from feddomain.algorithms import METHODS
 from feddomain.config import validate_config
 from feddomain.data.federated import federations
 from feddomain.federation.simulation import Simulation
-
-# methods that refuse a model without BatchNorm layers
-BATCHNORM = {"fedbn", "silobn", "fedfd", "fedfd_a"}
-# hyper-parameters that keep a method's one-time phases small
-CHEAP = {"hfedf_ae_embed": {"ae_epochs": 1, "ae_images": 8}}
-ACCURACIES = ("id_acc", "ood_acc")
-
-
-def method_config(method: str, device: str, precision: str, cache: Path) -> dict:
-    """The shared small experiment, adjusted only where the method needs it."""
-    raw: dict = {
-        "seed": 0,
-        "rounds": 2,
-        "device": device,
-        "precision": precision,
-        "dataset": {"name": "digits_embedded", "resolution": 32, "cache_dir": str(cache)},
-        "split": {"scheme": "lodo", "targets": ["grey"]},
-        "partition": {"n_clients": 3, "d": 1},
-        "model": {"name": "small_cnn", "options": {"widths": [8, 16, 32]}}
-        if method in BATCHNORM
-        else {"name": "lenet5"},
-        "train": {"batch_size": 64, "lr": 0.05, "optimizer": "sgd", "max_steps": 15,
-                  "mean": [0.5] * 3, "std": [0.5] * 3},
-        "eval": {"every": 1},
-        "checkpoint": {"every": 0},
-        "threads": 1,
-        "algorithm": {"name": method, **CHEAP.get(method, {})},
-    }
-    if method.startswith("fedvr"):  # FedVR trains a generated adapter + head on cached features
-        raw["model"].update(frozen=True, head_adapter=8)
-        raw["split"]["pilot_fraction"] = 0.1
-        raw["train"]["drop_last"] = True
-    return raw
+from tests.method_configs import ACCURACIES, method_config
 
 
 def accuracies(sim_out: Path) -> dict[str, float]:
