@@ -24,7 +24,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::SyntaxWarning
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name())"
-  nproc
+  nproc --all
 } 2>&1 | tee "$out/machine.txt"
 no_flower=(--ignore tests/test_flower.py --ignore tests/test_flower_roundtrip.py
   --ignore tests/test_flower_safety.py --ignore tests/test_stations.py
@@ -38,9 +38,9 @@ for part in "$@"; do
         timeout 150 python3 benchmarks/batched_clients.py --device cuda --clients 10 100 \
           --model "$model" 2>&1 | tee -a "$out/batched.log"
       done
-      timeout 60 python3 benchmarks/device_round.py --threads "$(nproc)" --models hfedf_cnn \
+      timeout 60 python3 benchmarks/device_round.py --threads "$(nproc --all)" --models hfedf_cnn \
         --images 512 2>&1 | tee "$out/device_round.log"
-      timeout 120 python3 benchmarks/device_round.py --threads "$(nproc)" --models resnet18 \
+      timeout 120 python3 benchmarks/device_round.py --threads "$(nproc --all)" --models resnet18 \
         --images 128 2>&1 | tee -a "$out/device_round.log"
       ;;
     tests)

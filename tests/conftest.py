@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("feddomain-cache")
 
 
-# Asked once, before any test hides the GPU from its subprocesses: the CUDA driver reads
+# Asked once, before the session hides the GPU from subprocesses: the CUDA driver reads
 # CUDA_VISIBLE_DEVICES when this process first asks, and never again.
-CUDA = torch.cuda.is_available()
+REAL_CUDA_CHECK = torch.cuda.is_available
+CUDA = REAL_CUDA_CHECK()
+VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,14 +69,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_by_default() -> Iterator[None]:
+    """The whole session runs ``device: auto`` on the CPU, in this process and in the
+    subprocesses tests start, module- and session-scoped fixtures included. The suite's exact
+    equalities (reductions bit for bit, resumed == uninterrupted) are CPU properties: CUDA
+    kernels sum in other orders and, unless ``deterministic: true``, not the same way twice
+    (docs/performance.md). Tests marked ``cuda`` get the GPU back (``cuda_when_marked``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
 @pytest.fixture(autouse=True)
-def cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """Every test not marked ``cuda`` runs ``device: auto`` on the CPU, in its process and in
-    the subprocesses it starts. Their exact equalities (reductions bit for bit, resumed ==
-    uninterrupted) are CPU properties: CUDA kernels sum in other orders and, unless
-    ``deterministic: true``, not the same way twice (docs/performance.md). What runs on CUDA is
-    tested by the tests marked ``cuda``, with the tolerances the docs state."""
-    if request.node.get_closest_marker("cuda"):
+def cuda_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``cuda`` sees the machine's CUDA devices, as a user's run would."""
+    if not request.node.get_closest_marker("cuda"):
         return
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", REAL_CUDA_CHECK)
+    if VISIBLE is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", VISIBLE)
