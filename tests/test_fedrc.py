@@ -168,9 +168,9 @@ def test_clients_send_their_model_and_one_gaussian_only():
     check = UploadCheck("fedrc", client.uploads(4), {k: v.shape for k, v in arrays.items()})
     check.check(0, reply, len(data))
     assert reply.arrays[fedrc.MEAN].shape == reply.arrays[fedrc.VAR].shape == (1, 2)
-    per_sample = {**reply.arrays, fedrc.MEAN: torch.zeros(4, 2)}
+    two_rows = {**reply.arrays, fedrc.MEAN: torch.zeros(2, 2)}
     with pytest.raises(PrivacyViolation, match="fedrc_mean"):
-        check.check(0, Message("fit", per_sample, reply.scalars), len(data))
+        check.check(0, Message("fit", two_rows, reply.scalars), len(data))
 
 
 @pytest.mark.parametrize("tau", [0, -1.0, math.nan])
@@ -182,8 +182,9 @@ def test_a_temperature_that_is_not_positive_is_refused(tau):
 
 
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
-    """Catches: the clients' Gaussians (kept in their state) or the global model lost or stale
-    across a SIGKILL and --resume."""
+    """Catches: the global model or the weights of the rounds not yet logged (the server's
+    pending diagnostics, evaluated every third round) lost or stale across a SIGKILL and
+    --resume."""
     config = {
         "name": "resume-fedrc",
         "seed": 3,

@@ -53,7 +53,7 @@ def context(model: nn.Module, data: ClientData, state: Message, rnd: int, r: int
         batch_size=batch,
         make_optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr),
         station_round=r,
-        station_rounds=2,
+        station_rounds=3,
         lr=LR,
     )
 
@@ -91,8 +91,9 @@ def test_one_corrected_step_and_the_client_correction_update_by_hand():
     """Catches: the correction missing from the step or entering with the wrong sign, z_i not
     moved by β_z·(x_i − x̄_j)/(H_i·γ) after the station aggregation (another divisor than the
     client's own steps × lr, β_z ignored, the sign flipped), z_i not reset to 0 at the next
-    global round, or H_i·γ not reported. Expected values by the paper's rules, with ∇F_i by
-    autograd on a separate copy."""
+    global round, H_i·γ not reported, or z_i kept after the last station round (memory and
+    checkpoints). Expected values by the paper's rules, with ∇F_i by autograd on a separate
+    copy."""
     client = mtgc.MTGCClient(mtgc.MTGCHparams(client_correction=0.5))
     model = linear()  # parameters: weight [3, 2], bias [3], flat in that order
     data = ClientData(
@@ -120,6 +121,9 @@ def test_one_corrected_step_and_the_client_correction_update_by_hand():
     third = fit(2, 0, station, batch=3)  # a new global round: z_i = 0 again
     want = station - LR * (gradient(model, station, data) + y)
     assert torch.allclose(flat(third.arrays), want, atol=1e-12)
+    fit(2, 1, station, batch=3)
+    fit(2, 2, station, batch=3)  # the last station round: the client keeps no correction
+    assert not state.arrays and not state.scalars
 
 
 def test_the_station_correction_update_by_hand():

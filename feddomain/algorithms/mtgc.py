@@ -20,9 +20,10 @@ estimate at each tier: (x_before − x_after)/(steps·γ) is the mean applied gr
 
 Where it lives (the official code's structure, two parameter-sized vectors per party):
 
-- z_i is the client's state (``ctx.state``: kept by the runner, by the node on Flower, and in
-  checkpoints), with its model and H_i·γ of the last station round: the client updates z_i when
-  the next station round's model x̄_j arrives, so z_i never leaves the client.
+- z_i is the client's state (``ctx.state``: kept by the runner, or by the node on Flower), with
+  its model and H_i·γ of the last station round: the client updates z_i when the next station
+  round's model x̄_j arrives, so z_i never leaves the client; it is dropped after the last
+  station round (it restarts at 0), so only the clients of the station at work hold one.
 - y_j is the station's state (checkpointed with the run): it goes down with every station
   round's model (``mtgc_y``), and the station updates it when the next global model arrives,
   from the model it sent up and Σ_e Σ_i p_i H_i γ (each client replies H_i γ as
@@ -112,15 +113,27 @@ class MTGCClient(FedAvgClient):
         with gradient_offset(list(ctx.model.parameters()), z + y):
             stats = ctx.fit(arrays)
         length = stats.steps * ctx.lr  # H_i·γ
-        ctx.state.arrays[CLIENT_Z] = z
-        ctx.state.arrays[CLIENT_LAST] = _flat_params(ctx.model)
-        ctx.state.scalars[CLIENT_AT] = [ctx.rnd, ctx.station_round]
-        ctx.state.scalars[STEP_LENGTH] = length
+        self._keep(ctx, z, length)
         return Message(
             "fit",
             get_arrays(ctx.model),
             {"num_examples": len(ctx.train), "loss": stats.mean_loss, STEP_LENGTH: length},
         )
+
+    def _keep(self, ctx: ClientContext, z: Tensor, length: float) -> None:
+        """What the next station round's z_i needs: z_i, x_i, H_i·γ and when they were made;
+        nothing after the last station round (z_i restarts at 0), so between global rounds
+        (and in checkpoints) a client holds no correction."""
+        if ctx.station_round == ctx.station_rounds - 1:
+            for key in (CLIENT_Z, CLIENT_LAST):
+                ctx.state.arrays.pop(key, None)
+            for key in (CLIENT_AT, STEP_LENGTH):
+                ctx.state.scalars.pop(key, None)
+            return
+        ctx.state.arrays[CLIENT_Z] = z
+        ctx.state.arrays[CLIENT_LAST] = _flat_params(ctx.model)
+        ctx.state.scalars[CLIENT_AT] = [ctx.rnd, ctx.station_round]
+        ctx.state.scalars[STEP_LENGTH] = length
 
     def _client_correction(self, ctx: ClientContext, station_model: Tensor) -> Tensor:
         """z_i for this station round: 0 in the first of a global round, else the last one's
