@@ -4,6 +4,8 @@ Flower parity."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -153,9 +155,11 @@ def test_the_station_correction_update_by_hand():
     assert torch.allclose(station.downlink(2, 0).arrays[mtgc.STATION_Y], want, atol=1e-12)
 
 
-def test_clients_send_only_what_they_declare_and_keep_z():
-    """Catches: z_i (or anything else undeclared) leaving the client, and the declaration
-    missing what a reply holds (the privacy contract would stop every run)."""
+def test_clients_send_only_what_they_declare_and_keep_z(tmp_path):
+    """Catches: z_i (or anything else undeclared) leaving the client, the declaration missing
+    what a reply holds (the privacy contract would stop every run), and a ledger counting other
+    than the declared model and scalars on the client-station link, or y_j not counted as
+    statistics going down (expected bytes from the model alone: 4 clients x R station rounds)."""
     client = mtgc.MTGCClient(mtgc.MTGCHparams())
     model = linear()
     data = ClientData(torch.randn(4, 2, dtype=torch.float64), torch.tensor([0, 1, 2, 0]))
@@ -169,6 +173,15 @@ def test_clients_send_only_what_they_declare_and_keep_z():
     leaked = Message("fit", {**reply.arrays, mtgc.CLIENT_Z: torch.zeros(1, 9)}, reply.scalars)
     with pytest.raises(PrivacyViolation, match="mtgc_z"):
         check.check(0, leaked, len(data))
+    sim = run_sim(hierarchical({"name": "mtgc"}), tmp_path)
+    model_bytes = sum(4 * v.numel() for v in sim.model.state_dict().values())
+    y_bytes = sum(4 * p.numel() for p in sim.model.parameters())
+    rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    for record in rounds:
+        link = record["links"]["client-station"]
+        assert link["up"] == {"model": 8 * model_bytes, "statistics": 0, "scalars": 8 * 3 * 8}
+        down = {"model": 8 * model_bytes, "statistics": 8 * y_bytes, "scalars": 4 * 8}
+        assert link["down"] == down  # scalars: the station's sample count, in station round 1
 
 
 @pytest.mark.parametrize(
