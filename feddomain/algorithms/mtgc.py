@@ -2,8 +2,9 @@
 Gradient Correction", NeurIPS 2024): hierarchical FedAvg whose local steps are corrected twice,
 towards the station's gradient and towards the global one (a baseline of HFedATM, hfedatm.md §6).
 
-The rule implemented (the paper's Algorithm 1; t global rounds, e = 0..E−1 station rounds
-(``topology.station_rounds``), h local steps, γ the round's learning rate, client i of station j)::
+The rule implemented (the paper's Algorithm 1 as its official code, github.com/wenzhifang/MTGC,
+runs it; t global rounds, e = 0..E−1 station rounds (``topology.station_rounds``), h local
+steps, γ the round's learning rate, client i of station j)::
 
     global round t:        z_i^{t,0} = 0                                  (reset every round)
     local step:            x_i ← x_i − γ·(∇F_i(x_i; ξ) + z_i^{t,e} + y_j^t)
