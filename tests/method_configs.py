@@ -34,6 +34,8 @@ def method_config(method: str, device: str, precision: str, cache: Path) -> dict
         "threads": 1,
         "algorithm": {"name": method, **CHEAP.get(method, {})},
     }
+    if method == "mtgc":  # hierarchical only: the 3 clients in one station
+        raw["topology"] = {"stations": 1}
     if method.startswith("fedvr"):  # FedVR trains a generated adapter + head on cached features
         raw["model"].update(frozen=True, head_adapter=8)
         raw["split"]["pilot_fraction"] = 0.1
