@@ -31,6 +31,19 @@ def methods() -> list[Row]:
     return [(name, spec.description) for name, spec in sorted(METHODS.items())]
 
 
+def spaces() -> list[Row]:
+    """Every registered method with its search space (``feddomain tune``): the client learning
+    rate's range around the config's, then the method's own hyper-parameters."""
+    from feddomain.algorithms import METHODS
+    from feddomain.algorithms.space import LR_FACTOR, LR_KEY
+
+    lr = f"{LR_KEY}: log-uniform [lr/{LR_FACTOR:g}, lr x{LR_FACTOR:g}] around the config's"
+    return [
+        (name, "; ".join([lr, *(f"algorithm.{k}: {d.describe()}" for k, d in spec.space.items())]))
+        for name, spec in sorted(METHODS.items())
+    ]
+
+
 def models() -> list[Row]:
     """Every model with the first line of its builder's docstring and its options."""
     from feddomain.models import MODELS, model_options

@@ -29,6 +29,7 @@ from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError, Interrupted
 from feddomain.federation.flower.commands import add_commands as add_flower_commands
 from feddomain.sweep import add_command as add_sweep_command
+from feddomain.tune import add_command as add_tune_command
 
 if TYPE_CHECKING:
     from feddomain.evaluation.report import Report
@@ -106,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="methods, models, datasets or shipped configs, one line each")
     lst.add_argument("what", choices=LISTS, help="what to list")
+    lst.add_argument(
+        "--spaces", action="store_true", help="methods: their search spaces (`feddomain tune`)"
+    )
     lst.set_defaults(func=cmd_list)
 
     run = sub.add_parser(
@@ -216,6 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_evaluate)
     add_flower_commands(sub)
     add_sweep_command(sub)
+    add_tune_command(sub)
     return p
 
 
@@ -248,7 +253,9 @@ def cmd_list(args: argparse.Namespace) -> None:
     """One line per entry: name, then its description (citation included for methods)."""
     from feddomain import catalog
 
-    rows = getattr(catalog, args.what)()
+    if args.spaces and args.what != "methods":
+        raise FeddomainError(f"--spaces lists the methods' search spaces, not {args.what}")
+    rows = catalog.spaces() if args.spaces else getattr(catalog, args.what)()
     width = max(len(name) for name, _ in rows)
     for name, text in rows:
         print(f"{name:<{width}}  {text}")

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from feddomain.algorithms.base import Hparams, Method, MethodSpec
+from feddomain.algorithms.space import check_space
 from feddomain.config import closest
 from feddomain.errors import ConfigError
 
@@ -15,8 +16,10 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` under its name; its search space must fit its hyper-parameters."""
     if spec.name in METHODS:
         raise ValueError(f"method {spec.name!r} is registered twice")
+    check_space(spec.name, spec.hparams, spec.space)
     METHODS[spec.name] = spec
     return spec
 
