@@ -169,6 +169,20 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--html", action="store_true", help="also write report.html (one self-contained page)"
     )
+    rep.add_argument(
+        "--against",
+        metavar="METHOD",
+        help="claims 'M > METHOD' for every other row: paired ood-accuracy difference over "
+        "(seed, target) with its 95%% interval and verdict holds / refuted / unresolved",
+    )
+    rep.add_argument(
+        "--claims", type=Path, metavar="FILE", help="claims to test, one 'A > B' per line"
+    )
+    rep.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="claims' intervals by paired bootstrap instead of Student's t",
+    )
     rep.set_defaults(func=cmd_report)
 
     data = sub.add_parser("data", help="inspect datasets and partitions")
@@ -577,6 +591,9 @@ def cmd_report(args: argparse.Namespace) -> None:
         selection=args.selection,
         spread=args.spread,
         extra_metrics=tuple(args.metrics),
+        against_method=args.against,
+        claims_file=args.claims,
+        bootstrap=args.bootstrap,
     )
     print(report.to_markdown())
     if args.out is None:  # a run directory is the run's record: nothing is added unasked

@@ -79,6 +79,31 @@ def _is_plain_client_of(spec: MethodSpec, client_spec: MethodSpec) -> bool:
     )
 
 
+def typed_section(section: dict[str, Any] | str, *, defaults: bool) -> dict[str, Any]:
+    """An ``algorithm:`` section with each hyper-parameter as its method's schema types it
+    (YAML reads ``1e-2`` as the string "1e-2"; the schema, as the float 0.01), a composed
+    client part's too; with ``defaults``, every hyper-parameter, the method's defaults filled
+    in, so that a run stating a default and one leaving it implicit compare equal."""
+    values = {"name": section} if isinstance(section, str) else dict(section)
+    head = {k: values.pop(k) for k in ("name", "label") if k in values}
+    method = resolve_method(str(head.get("name", "fedavg")), values)
+    out = {**head, **_typed(method.hp, values, defaults)}
+    client = values.get("client")
+    if client is None:
+        return out
+    if method.client_spec is method.spec:  # `client: fedavg`: the aggregator's own clients
+        out["client"] = client
+        return out
+    given = {"name": client} if isinstance(client, str) else dict(client)
+    out["client"] = {"name": given.pop("name"), **_typed(method.client_hp, given, defaults)}
+    return out
+
+
+def _typed(hp: Hparams, given: dict[str, Any], defaults: bool) -> dict[str, Any]:
+    dumped = hp.model_dump(mode="json")
+    return dumped if defaults else {k: dumped[k] for k in given if k in dumped}
+
+
 def algorithm_hparams(name: str, values: dict[str, Any]) -> Hparams:
     """Validate a method's hyper-parameters (and a composed client's)."""
     return resolve_method(name, values).hp
