@@ -70,8 +70,8 @@ class FedVRHparams(SynchronousHparams):
     server_optimizer: Literal["adam", "sgd"] = "sgd"
     """Plain SGD on ψ and φ (the paper's Algorithm 1, step 12)."""
     lr_s: float = Field(1e-1, gt=0.0)
-    """Server learning rate η (CHOICE 0.1, fedvr.md §4 as corrected 2026-11-25: 1e-2 moved each
-    generated model 1-2% of the way along its client's update; tune over 3e-2 .. 1)."""
+    """Server learning rate η (CHOICE 0.1: 1e-2 moved each generated model only 1-2% of the way
+    along its client's update; the tuning grid is 3e-2 .. 1)."""
     wd_s: float = Field(0.0, ge=0.0)
     """Server weight decay (none in the paper)."""
     gradalign: bool = False
