@@ -16,6 +16,7 @@ import yaml
 from feddomain.algorithms.space import LogUniform
 from feddomain.config import load_config
 from feddomain.errors import ConfigError, FeddomainError
+from feddomain.evaluation.report import build_report
 from feddomain.tune import (
     Objective,
     Trial,
@@ -139,6 +140,9 @@ def test_sigkill_mid_trial_then_rerun_equals_an_uninterrupted_tune(config: Path,
         assert saved["seed"] == 1
         assert saved["train"]["lr"] == best.params["train.lr"]
         assert saved["algorithm"]["mu"] == best.params["algorithm.mu"]
+    report = build_report([reference / "confirm"])  # the report names the tune behind the row
+    assert report.tuning["fedprox"]["trials"] == 3
+    assert " ".join(best.overrides) in report.to_markdown().replace(", ", " ")
 
     out = tmp_path / "killed"
     command = [*FEDDOMAIN, "tune", str(config), "algorithm=fedprox", "--trials", "3",
