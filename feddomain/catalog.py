@@ -31,6 +31,16 @@ def methods() -> list[Row]:
     return [(name, spec.description) for name, spec in sorted(METHODS.items())]
 
 
+def spaces() -> list[Row]:
+    """Every registered method with its search space (``feddomain tune``): the client learning
+    rate's range around the config's, then the method's own hyper-parameters."""
+    from feddomain.algorithms import METHODS
+
+    return [
+        (name, _space_text(spec.space).replace("`", "")) for name, spec in sorted(METHODS.items())
+    ]
+
+
 def models() -> list[Row]:
     """Every model with the first line of its builder's docstring and its options."""
     from feddomain.models import MODELS, model_options
@@ -103,7 +113,16 @@ def config_reference() -> str:
         meanings = {k: _inherited_meaning(spec.hparams, k) for k in fields}
         table = _table(fields, "algorithm.", meanings)
         parts += table if fields else ["No hyper-parameters.", ""]
+        parts += [f"Search space (`feddomain tune`): {_space_text(spec.space)}.", ""]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _space_text(space: dict) -> str:
+    """A method's search space, the client lr first (``feddomain tune``)."""
+    from feddomain.algorithms.space import LR_FACTOR, LR_KEY
+
+    lr = f"`{LR_KEY}`: log-uniform [lr/{LR_FACTOR:g}, lr x{LR_FACTOR:g}] around the config's"
+    return "; ".join([lr, *(f"`algorithm.{k}`: {d.describe()}" for k, d in space.items())])
 
 
 def _section_tables(model: type[BaseModel], prefix: str) -> list[str]:

@@ -29,6 +29,7 @@ from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError, Interrupted
 from feddomain.federation.flower.commands import add_commands as add_flower_commands
 from feddomain.sweep import add_command as add_sweep_command
+from feddomain.tune import add_command as add_tune_command
 
 if TYPE_CHECKING:
     from feddomain.evaluation.report import Report
@@ -106,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="methods, models, datasets or shipped configs, one line each")
     lst.add_argument("what", choices=LISTS, help="what to list")
+    lst.add_argument(
+        "--spaces", action="store_true", help="methods: their search spaces (`feddomain tune`)"
+    )
     lst.set_defaults(func=cmd_list)
 
     run = sub.add_parser(
@@ -165,6 +169,20 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--html", action="store_true", help="also write report.html (one self-contained page)"
     )
+    rep.add_argument(
+        "--against",
+        metavar="METHOD",
+        help="claims 'M > METHOD' for every other row: paired ood-accuracy difference over "
+        "(seed, target) with its 95%% interval and verdict holds / refuted / unresolved",
+    )
+    rep.add_argument(
+        "--claims", type=Path, metavar="FILE", help="claims to test, one 'A > B' per line"
+    )
+    rep.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="claims' intervals by paired bootstrap instead of Student's t",
+    )
     rep.set_defaults(func=cmd_report)
 
     data = sub.add_parser("data", help="inspect datasets and partitions")
@@ -216,6 +234,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_evaluate)
     add_flower_commands(sub)
     add_sweep_command(sub)
+    add_tune_command(sub)
     return p
 
 
@@ -248,7 +267,9 @@ def cmd_list(args: argparse.Namespace) -> None:
     """One line per entry: name, then its description (citation included for methods)."""
     from feddomain import catalog
 
-    rows = getattr(catalog, args.what)()
+    if args.spaces and args.what != "methods":
+        raise FeddomainError(f"--spaces lists the methods' search spaces, not {args.what}")
+    rows = catalog.spaces() if args.spaces else getattr(catalog, args.what)()
     width = max(len(name) for name, _ in rows)
     for name, text in rows:
         print(f"{name:<{width}}  {text}")
@@ -570,6 +591,9 @@ def cmd_report(args: argparse.Namespace) -> None:
         selection=args.selection,
         spread=args.spread,
         extra_metrics=tuple(args.metrics),
+        against_method=args.against,
+        claims_file=args.claims,
+        bootstrap=args.bootstrap,
     )
     print(report.to_markdown())
     if args.out is None:  # a run directory is the run's record: nothing is added unasked

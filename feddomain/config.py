@@ -382,6 +382,7 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
         raise ConfigError(_explain(err, source)) from None
     _check_model(cfg)
     _check_algorithm(cfg)
+    _type_algorithm(cfg)
     _check_batched(cfg)
     _check_weights(cfg)
     from feddomain.data.federated import check_data_config  # late: data imports this module
@@ -435,6 +436,15 @@ def _check_algorithm(cfg: ExperimentConfig) -> None:
     for spec, hp in parts:
         if spec.check_config is not None:
             spec.check_config(cfg, hp)
+
+
+def _type_algorithm(cfg: ExperimentConfig) -> None:
+    """Keep each given hyper-parameter as its method types it (``algorithm.mu=1e-2`` is saved
+    as 0.01, not the string "1e-2"): runs of one setting then save, compare and group alike."""
+    from feddomain.algorithms import typed_section  # late: algorithms import this module
+
+    typed = typed_section(cfg.algorithm.model_dump(), defaults=False)
+    cfg.algorithm = AlgorithmConfig.model_validate(typed)
 
 
 def _explain(err: ValidationError, source: str) -> str:

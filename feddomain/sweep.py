@@ -256,11 +256,13 @@ def run_sweep(
     jobs: int,
     console: Console | None = None,
     gpus: list[str] | None = None,
+    on_settle: Callable[[RunState], None] | None = None,
 ) -> list[RunState]:
     """Run every unfinished run in ``jobs`` worker processes; a failed run is recorded with its
     error and the others go on. With a ``console``, a live table shows every run's state. With
     ``gpus`` (one ``CUDA_VISIBLE_DEVICES`` value per worker, ``gpu_slots``), worker i sees only
-    GPU ``gpus[i]``."""
+    GPU ``gpus[i]``. ``on_settle(state)`` is called in the parent as each run of this session
+    ends (done or failed), e.g. for ``feddomain tune`` to close a trial once its runs are in."""
     states = [RunState(r) for r in runs]
     for s in states:
         if (s.run.out / "summary.json").is_file():
@@ -268,13 +270,17 @@ def run_sweep(
     todo = [s for s in states if s.status == "queued"]
     with _live(states, console) as refresh:
         while todo:  # a pool whose worker died is replaced; runs it had not started go again
-            _pool_pass(todo, jobs, refresh, gpus or [])
+            _pool_pass(todo, jobs, refresh, gpus or [], on_settle)
             todo = [s for s in todo if s.status == "queued"]
     return states
 
 
 def _pool_pass(
-    todo: list[RunState], jobs: int, refresh: Callable[[], None], gpus: list[str]
+    todo: list[RunState],
+    jobs: int,
+    refresh: Callable[[], None],
+    gpus: list[str],
+    on_settle: Callable[[RunState], None] | None = None,
 ) -> None:
     """Submit ``todo`` to a fresh pool and settle each run as its future completes."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent holding torch's threads
@@ -292,6 +298,8 @@ def _pool_pass(
                 _drain(events, by_name)
                 for fut in done:
                     _settle(fut, futures[fut])
+                    if on_settle is not None and futures[fut].status != "queued":
+                        on_settle(futures[fut])
                 refresh()
         except BaseException:  # Ctrl-C, or a fault of the parent: stop now, not after every run
             pool.shutdown(wait=False, cancel_futures=True)

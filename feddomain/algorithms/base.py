@@ -43,13 +43,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from feddomain.algorithms.space import Space
 from feddomain.errors import ConfigError
 from feddomain.federation.batched import FunctionalRegularizer, OptimizerSettings, fit_clients
 from feddomain.federation.data import ClientData
@@ -430,7 +431,8 @@ class MethodSpec:
     shrinkage at the stations), so any client method keeps its own logic underneath.
     ``batchable``: its client part's "fit" is the plain step and implements ``run_batch``, so a
     round's clients may be trained together (``train.batched_clients``); not inherited by a
-    method whose client subclasses it."""
+    method whose client subclasses it. ``space``: the hyper-parameters ``feddomain tune``
+    searches and their ranges (``algorithms/space.py``), checked at registration."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -445,6 +447,7 @@ class MethodSpec:
     client_wrapper: ClientWrapper | None = None
     station_wrapper: StationWrapper | None = None
     batchable: bool = False
+    space: Space = field(default_factory=dict)
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)

@@ -56,6 +56,7 @@ from torch import nn
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, ServerContext
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -237,5 +238,6 @@ register(
             "(Zhang et al., CVPR 2023)"
         ),
         check_config=check_config,
+        space={"d0": LogUniform(1 / 30, 1.0)},  # x/10 .. x3 around FISC's 1/3 (official 0.0667)
     )
 )

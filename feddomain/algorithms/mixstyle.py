@@ -45,6 +45,7 @@ from torch import nn
 from feddomain.algorithms.base import Hparams, MethodSpec, model_requirement
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform, Uniform
 from feddomain.errors import ConfigError
 
 
@@ -174,5 +175,6 @@ register(
         "samples after early conv stages (Zhou et al., ICLR 2021)",
         model_hook=insert_mixstyle,
         check_config=model_requirement("mixstyle", stage_problem),
+        space={"p": Uniform(0.1, 0.9), "alpha": LogUniform(0.01, 1.0)},  # MixStyle: 0.5, 0.1
     )
 )

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from feddomain.algorithms.base import Hparams, Method, MethodSpec
+from feddomain.algorithms.space import check_space
 from feddomain.config import closest
 from feddomain.errors import ConfigError
 
@@ -15,8 +16,10 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` under its name; its search space must fit its hyper-parameters."""
     if spec.name in METHODS:
         raise ValueError(f"method {spec.name!r} is registered twice")
+    check_space(spec.name, spec.hparams, spec.space)
     METHODS[spec.name] = spec
     return spec
 
@@ -74,6 +77,31 @@ def _is_plain_client_of(spec: MethodSpec, client_spec: MethodSpec) -> bool:
         and client_spec.client_wrapper is None
         and client_spec.station_wrapper is None
     )
+
+
+def typed_section(section: dict[str, Any] | str, *, defaults: bool) -> dict[str, Any]:
+    """An ``algorithm:`` section with each hyper-parameter as its method's schema types it
+    (YAML reads ``1e-2`` as the string "1e-2"; the schema, as the float 0.01), a composed
+    client part's too; with ``defaults``, every hyper-parameter, the method's defaults filled
+    in, so that a run stating a default and one leaving it implicit compare equal."""
+    values = {"name": section} if isinstance(section, str) else dict(section)
+    head = {k: values.pop(k) for k in ("name", "label") if k in values}
+    method = resolve_method(str(head.get("name", "fedavg")), values)
+    out = {**head, **_typed(method.hp, values, defaults)}
+    client = values.get("client")
+    if client is None:
+        return out
+    if method.client_spec is method.spec:  # `client: fedavg`: the aggregator's own clients
+        out["client"] = client
+        return out
+    given = {"name": client} if isinstance(client, str) else dict(client)
+    out["client"] = {"name": given.pop("name"), **_typed(method.client_hp, given, defaults)}
+    return out
+
+
+def _typed(hp: Hparams, given: dict[str, Any], defaults: bool) -> dict[str, Any]:
+    dumped = hp.model_dump(mode="json")
+    return dumped if defaults else {k: dumped[k] for k in given if k in dumped}
 
 
 def algorithm_hparams(name: str, values: dict[str, Any]) -> Hparams:
