@@ -121,7 +121,8 @@ def chosen_stages(model: nn.Module, hp: MixStyleHparams) -> tuple[str, ...]:
     stages = tuple(getattr(model, "stages", ()))
     if hp.blocks is None:
         return stages[:-1]
-    return tuple(stages[b - 1] for b in hp.blocks)
+    cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail numbers stages on from it
+    return tuple(stages[b - cut - 1] for b in hp.blocks)
 
 
 def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
@@ -129,6 +130,21 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
     stages = tuple(getattr(model, "stages", ()))
     blocks = getattr(hp, "blocks", None)
     known = "small_cnn, lenet5, resnet18, resnet50 and efficientnet_lite0 declare them; not frozen"
+    cut = getattr(model, "frozen_stages", 0)
+    if cut:
+        inside = [b for b in blocks or range(1, cut + len(stages)) if b <= cut]
+        if inside:
+            return (
+                f"has MixStyle after stages {inside}, inside the frozen prefix "
+                f"(model.frozen_prefix = {cut}): its random mixing there cannot be cached; set "
+                f"algorithm.blocks to stages after {cut}"
+            )
+        if max(blocks) > cut + len(stages):
+            return (
+                f"has algorithm.blocks = {list(blocks)}, and this model has "
+                f"{cut + len(stages)} convolutional stages"
+            )
+        return None
     if not stages:
         return (
             "inserts MixStyle after the model's convolutional stages, and this model declares "

@@ -80,6 +80,12 @@ def check_style_config(cfg: Any, hp: Hparams) -> None:
             "'model.frozen': style transfer re-renders images, which frozen-backbone mode "
             "replaces by cached features; set model.frozen: false"
         )
+    if cfg.model.frozen_prefix is not None:
+        raise ConfigError(
+            "'model.frozen_prefix': style transfer re-renders images before the frozen prefix; "
+            "caching the prefix once per style is not implemented yet: set "
+            "model.frozen_prefix: null"
+        )
     side = cfg.dataset.resolution
     if hp.backend == "adain_dct" and (side % 8 or side < 16):
         raise ConfigError(

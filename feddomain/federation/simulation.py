@@ -55,6 +55,7 @@ from feddomain.federation.topology import (
 from feddomain.federation.training import predict_probs, round_lr, set_arrays, unpack_ensemble
 from feddomain.models import build_model
 from feddomain.models.frozen import head_model
+from feddomain.models.prefix import split_at
 
 log = logging.getLogger("feddomain")
 CPU = torch.device("cpu")
@@ -95,6 +96,9 @@ class Simulation:
             build = lambda: build_model(  # noqa: E731
                 cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
             )
+        if cfg.model.frozen_prefix is not None:  # clients hold the prefix's maps: train the tail
+            whole, stage = build, cfg.model.frozen_prefix
+            build = lambda: split_at(whole(), stage)[1]  # noqa: E731
         self._build = lambda: self.method.prepare_model(build())
         self.model = self._init_model().to(self.device)  # initialised on the CPU, then moved
         model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}

@@ -27,9 +27,13 @@ class FeatureClassifier(nn.Module):
     ``arch`` is the registry name the model was built under (``build_model`` sets it; empty for
     a model built otherwise), so that tables keyed by architecture (HFedATM's permutation specs)
     find it after model hooks.
+
+    ``frozen_stages`` is k for the trainable tail of a model cut after its stage k
+    (``model.frozen_prefix``): its ``stages`` are the stages k+1.. of the whole model.
     """
 
     arch: str = ""
+    frozen_stages = 0  # a frozen prefix's tail (models/prefix.py): the stages cut off before it
 
     def __init__(
         self,
