@@ -360,7 +360,8 @@ def _model_inputs(
         return frozen_features(cfg, dataset), None, None
     if cfg.model.prefix_cache:
         return prefix_features(cfg, dataset.images, len(dataset.classes)), None, None
-    recompute = PrefixTransform(frozen_prefix(cfg, len(dataset.classes)), *_backbone_norm(cfg))
+    prefix = frozen_prefix(cfg, len(dataset.classes))
+    recompute = PrefixTransform(prefix, *backbone_normalization(cfg))
     return dataset.images, recompute, recompute
 
 
@@ -369,7 +370,9 @@ def frozen_features(cfg: ExperimentConfig, dataset: DomainDataset) -> torch.Tens
     return backbone_features(cfg, dataset.images, len(dataset.classes), cached=True)
 
 
-def _backbone_norm(cfg: ExperimentConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def backbone_normalization(
+    cfg: ExperimentConfig,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The input normalisation a frozen backbone (or prefix) sees: its pretrained weights', else
     the config's ``train.mean``/``train.std``, else none."""
     return input_normalization(cfg.model.name) or (
@@ -396,7 +399,7 @@ def backbone_features(
     """The configured frozen backbone's features of uint8 ``images`` (``cached``: read from, or
     written to, the feature cache); the same backbone, weights and normalisation for a run's
     data and for images seen later (`feddomain adapt`)."""
-    mean, std = _backbone_norm(cfg)
+    mean, std = backbone_normalization(cfg)
     return FrozenFeatures.compute(
         _initialised_model(cfg, n_classes),
         images,
@@ -421,7 +424,7 @@ def prefix_features(
 ) -> torch.Tensor:
     """The frozen prefix's output maps [N, C, h, w] of uint8 ``images`` (optionally changed by a
     deterministic ``variant`` first), computed once and cached (memory-mapped) per variant."""
-    mean, std = _backbone_norm(cfg)
+    mean, std = backbone_normalization(cfg)
     return FrozenFeatures.compute(
         frozen_prefix(cfg, n_classes),
         images,
