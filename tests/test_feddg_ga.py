@@ -125,7 +125,7 @@ def test_step_is_the_official_schedule_two_rounds_later():
     server = _server(rounds=rounds, d0=d0)
     for rnd in range(1, rounds + 1):
         losses = (1.0 + 0.1 * rnd, 0.5), (0.7, 0.6 - 0.01 * rnd), (0.9, 0.2)
-        _round(server, rnd, [(n, 1.0, g, ll) for n, (g, ll) in zip((6, 3, 1), losses)])
+        _round(server, rnd, [(n, 1.0, g, ll) for n, (g, ll) in zip((6, 3, 1), losses, strict=True)])
         if rnd >= 2:
             step = server.diagnostics()["ga"]["step"]
             assert step == pytest.approx(official(rnd - 1 + 2), abs=1e-15), rnd
