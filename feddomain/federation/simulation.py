@@ -695,6 +695,9 @@ class Simulation:
             "client_domain_counts": self.data.client_domain_counts.tolist(),
             "wall_time_s": round(wall_time, 3),
         }
+        server = self.server.run_summary()
+        if server:
+            out["server"] = server
         return out
 
     def _export_state(self) -> dict[str, Any]:
