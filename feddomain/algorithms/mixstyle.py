@@ -46,6 +46,7 @@ from feddomain.algorithms.base import Hparams, MethodSpec, model_requirement
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
 from feddomain.errors import ConfigError
+from feddomain.models.base import warn_small_instance_map
 
 
 class MixStyleHparams(FedAvgHparams):
@@ -90,9 +91,10 @@ def mix_styles(x: torch.Tensor, lam: torch.Tensor, perm: torch.Tensor, eps: floa
 class MixStyle(nn.Module):
     """The MixStyle layer: ``mix_styles`` with probability ``p`` in training, else identity."""
 
-    def __init__(self, p: float, alpha: float, eps: float = 1e-6) -> None:
+    def __init__(self, p: float, alpha: float, eps: float = 1e-6, where: str = "MixStyle") -> None:
         super().__init__()
         self.p, self.alpha, self.eps = p, alpha, eps
+        self.where = where  # for messages
 
     def extra_repr(self) -> str:
         return f"p={self.p}, alpha={self.alpha}, eps={self.eps}"
@@ -100,6 +102,7 @@ class MixStyle(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        warn_small_instance_map(self, self.where, x.shape[2], x.shape[3])
         if self.p < 1.0 and float(torch.rand(())) >= self.p:
             return x
         batch = x.shape[0]
@@ -169,7 +172,7 @@ def insert_mixstyle(model: nn.Module, hp: Hparams) -> nn.Module:
     assert isinstance(hp, MixStyleHparams)
     layers = nn.ModuleList()
     for name in chosen_stages(model, hp):
-        layer = MixStyle(hp.p, hp.alpha, hp.eps)
+        layer = MixStyle(hp.p, hp.alpha, hp.eps, where=f"MixStyle after {name!r}")
         model.get_submodule(name).register_forward_hook(layer.after)
         layers.append(layer)
     model.mixstyle = layers
