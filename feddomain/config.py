@@ -150,9 +150,9 @@ class ModelConfig(Section):
     """Frozen mode: image side the backbone sees (e.g. 224); null: `dataset.resolution`."""
     frozen_prefix: int | None = Field(None, ge=1)
     """Freeze a pretrained backbone up to and including its stage k (1-based, as MixStyle's
-    `blocks`; `feddomain list models` shows the stages), compute that part's output once per
-    image and cache it, and train the rest (its BatchNorm layers included) and the head; null:
-    train the whole model. Exclusive with `frozen`."""
+    `blocks`: efficientnet_lite0's 7 block groups, ResNet's layer1-4, small_cnn's conv blocks),
+    compute that part's output once per image and cache it, and train the rest (its BatchNorm
+    layers included) and the head; null: train the whole model. Exclusive with `frozen`."""
     prefix_cache: bool = True
     """Frozen prefix: read its output from the cache (true) or recompute it on every batch
     (false: the same run up to float error; for checks and timing)."""
