@@ -133,21 +133,14 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
     stages = tuple(getattr(model, "stages", ()))
     blocks = getattr(hp, "blocks", None)
     known = "small_cnn, lenet5, resnet18, resnet50 and efficientnet_lite0 declare them; not frozen"
-    cut = getattr(model, "frozen_stages", 0)
-    if cut:
-        inside = [b for b in blocks or range(1, cut + len(stages)) if b <= cut]
-        if inside:
-            return (
-                f"has MixStyle after stages {inside}, inside the frozen prefix "
-                f"(model.frozen_prefix = {cut}): its random mixing there cannot be cached; set "
-                f"algorithm.blocks to stages after {cut}"
-            )
-        if max(blocks) > cut + len(stages):
-            return (
-                f"has algorithm.blocks = {list(blocks)}, and this model has "
-                f"{cut + len(stages)} convolutional stages"
-            )
-        return None
+    cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail: the model's stages cut+1..
+    inside = [b for b in blocks or range(1, cut + len(stages)) if b <= cut]
+    if inside:
+        return (
+            f"has MixStyle after stages {inside}, inside the frozen prefix "
+            f"(model.frozen_prefix = {cut}): its random mixing there cannot be cached; set "
+            f"algorithm.blocks to stages after {cut}"
+        )
     if not stages:
         return (
             "inserts MixStyle after the model's convolutional stages, and this model declares "
@@ -158,10 +151,11 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
             f"inserts MixStyle after every convolutional stage but the last, and this model has "
             f"only {len(stages)}: set algorithm.blocks"
         )
-    if blocks is not None and max(blocks) > len(stages):
+    if blocks is not None and max(blocks) > cut + len(stages):
+        listed = ", ".join(stages) + (f" after the first {cut}" if cut else "")
         return (
-            f"has algorithm.blocks = {list(blocks)}, and this model has {len(stages)} "
-            f"convolutional stages ({', '.join(stages)})"
+            f"has algorithm.blocks = {list(blocks)}, and this model has {cut + len(stages)} "
+            f"convolutional stages ({listed})"
         )
     return None
 
