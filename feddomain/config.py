@@ -148,6 +148,23 @@ class ModelConfig(Section):
     `head_hidden`."""
     backbone_resolution: int | None = Field(None, ge=8)
     """Frozen mode: image side the backbone sees (e.g. 224); null: `dataset.resolution`."""
+    frozen_prefix: int | None = Field(None, ge=1)
+    """Freeze a pretrained backbone up to and including its stage k (1-based, as MixStyle's
+    `blocks`: efficientnet_lite0's 7 block groups, ResNet's layer1-4, small_cnn's conv blocks),
+    compute that part's output once per image and cache it, and train the rest (its BatchNorm
+    layers included) and the head; null: train the whole model. Exclusive with `frozen`."""
+    prefix_cache: bool = True
+    """Frozen prefix: read its output from the cache (true) or recompute it on every batch
+    (false: the same run up to float error; for checks and timing)."""
+
+    @model_validator(mode="after")
+    def _one_frozen_mode(self) -> ModelConfig:
+        if self.frozen and self.frozen_prefix is not None:
+            raise ValueError(
+                "'frozen: true' trains a head on cached features and 'frozen_prefix' trains the "
+                "stages after the prefix: set one of them"
+            )
+        return self
 
 
 class AugmentSection(Section):

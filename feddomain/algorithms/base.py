@@ -286,6 +286,11 @@ class ServerAlgorithm(ABC):
         (rounds.jsonl every round; metrics.jsonl at evaluated rounds). None by default."""
         return {}
 
+    def run_summary(self) -> dict[str, Any]:
+        """What the server's whole run comes to (FedVR: the share of rounds one client held
+        more than half of α), written as ``server`` to ``summary.json``. None by default."""
+        return {}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 

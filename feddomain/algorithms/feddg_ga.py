@@ -26,8 +26,11 @@ CHOICES (with the official code's alternative as an option where it matters):
 - Gaps are LOSS gaps (fisc.md: "loss-based fairness"; the official script's default is accuracy,
   its ``--fair loss`` is this); a larger gap means more weight.
 - ``d0`` default 1/3 (FISC's code); the official code steps by 0.2·(1/3) ≈ 0.0667 (``d0:
-  0.0666667``) and decays it as (1 − (i − 1)/R) over its 0-based round i, which we read as the
-  linear decay above.
+  0.0666667``). Its decay is not the one above: after its 0-based round i it refines the weights
+  with (1 − (i − 1)/R)·d₀, and they aggregate round i + 1, so the step of the aggregation of
+  0-based round j is (1 − (j − 2)/R)·d₀ (1 + 1/R at j = 1). d_r above (1-based r, j = r − 1) is
+  that schedule shifted by two rounds — each round takes the step the official code takes two
+  rounds later — as fisc.md §6 chooses (FISC's ``(1 − flr/R)·step``).
 - ``initial_weights: samples`` (default) starts from FedAvg's weights n_i, so d₀ = 0 is FedAvg bit
   for bit; ``uniform`` is the official code's 1/K.
 - ``gap_split: train`` (default; FISC) measures both losses on the client's training data;

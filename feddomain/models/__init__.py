@@ -123,12 +123,14 @@ def model_skeleton(
     frozen: bool = False,
     head_hidden: int | None = None,
     head_adapter: int | None = None,
+    frozen_prefix: int | None = None,
 ) -> nn.Module:
     """The structure of a configured model without its weights: built on the meta device (no
     memory, no weight file read), for config-time checks of what a method needs of it. With
-    ``frozen`` it is the head trained on cached features. The class count does not shape the
-    layers a check looks at, so it is 2."""
+    ``frozen`` it is the head trained on cached features, with ``frozen_prefix`` the tail trained
+    after the prefix. The class count does not shape the layers a check looks at, so it is 2."""
     from feddomain.models.frozen import head_model  # late: only config-time checks need it
+    from feddomain.models.prefix import split_at
 
     options = dict(options or {})
     valid = model_options(name)
@@ -137,6 +139,8 @@ def model_skeleton(
         model = build_model(name, 2, resolution=resolution, **options)
         if frozen:
             model = head_model(model.n_features, 2, hidden=head_hidden, adapter=head_adapter)
+        if frozen_prefix is not None:
+            model = split_at(model, frozen_prefix)[1]
     return model
 
 
@@ -151,6 +155,7 @@ def configured_skeleton(cfg: Any) -> nn.Module:
         frozen=m.frozen,
         head_hidden=m.head_hidden,
         head_adapter=m.head_adapter,
+        frozen_prefix=m.frozen_prefix,
     )
 
 
