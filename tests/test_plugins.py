@@ -158,8 +158,11 @@ def test_a_plugin_that_fails_to_import_is_named(plugin_dir: Path) -> None:
     """Catches an import failure surfacing as a bare traceback (or not at all): the message
     names the module, the config key and the error."""
     write_plugin(plugin_dir, "broken_plugin", "import no_such_dependency_xyz\n")
-    with pytest.raises(PluginError, match=r"plugin 'broken_plugin' \('plugins' in defaults\) "
-                       r"failed to import: ModuleNotFoundError.*no_such_dependency_xyz"):  # fmt: skip
+    expected = (
+        r"plugin 'broken_plugin' \('plugins' in defaults\) failed to import: "
+        r"ModuleNotFoundError.*no_such_dependency_xyz"
+    )
+    with pytest.raises(PluginError, match=expected):
         feddomain.load_config(None, plugins=["broken_plugin"])
     with pytest.raises(PluginError, match=r"plugin 'not_there_xyz'.*installed"):
         feddomain.load_config(None, plugins=["not_there_xyz"])
@@ -218,8 +221,8 @@ class Client(ClientAlgorithm):
         return msg
 feddomain.register(feddomain.MethodSpec("no_uploads", FedAvgServer, Client, FedAvgHparams))
 """)  # fmt: skip
-    with pytest.raises(PluginError, match=re.escape(
-            "client Client does not implement uploads (uploads: the privacy declaration)")):  # fmt: skip
+    expected = "client Client does not implement uploads (uploads: the privacy declaration)"
+    with pytest.raises(PluginError, match=re.escape(expected)):
         feddomain.load_config(None, plugins=["no_uploads"])
 
 
@@ -233,6 +236,9 @@ def test_an_entry_point_that_fails_names_itself_and_its_distribution(
     (info / "entry_points.txt").write_text("[feddomain.models]\nmynet = no_such_module_xyz:net\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(plugins, "_entry_points_loaded", False)
-    with pytest.raises(PluginError, match=r"plugin entry point mynet = 'no_such_module_xyz:net' "
-                       r"\(group feddomain\.models, distribution broken-dist\) failed to import"):  # fmt: skip
+    expected = (
+        r"plugin entry point mynet = 'no_such_module_xyz:net' \(group feddomain\.models, "
+        r"distribution broken-dist\) failed to import"
+    )
+    with pytest.raises(PluginError, match=expected):
         feddomain.load_config(None)
