@@ -211,7 +211,7 @@ class RunTracker:
         self.backends: list[Backend] = []
         for name, opener in openers:
             backend = self._guard(name, "start", opener)
-            if backend is not None:
+            if backend is not _FAILED:
                 self.backends.append(backend)
 
     def log_round(self, record: Mapping[str, Any]) -> None:
@@ -264,13 +264,31 @@ def _first_line(err: Exception) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def resolved_config(cfg: ExperimentConfig) -> dict[str, Any]:
+    """``cfg.to_dict()`` with the method's hyper-parameters complete (defaults included), as
+    the run uses them."""
+    from feddomain.algorithms import resolve_method
+
+    raw = cfg.to_dict()
+    method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
+    algorithm = {**raw["algorithm"], **method.hp.model_dump(mode="json")}
+    if method.client_spec is not method.spec:
+        given = algorithm["client"] if isinstance(algorithm["client"], dict) else {}
+        algorithm["client"] = {
+            **given,
+            "name": method.client_spec.name,
+            **method.client_hp.model_dump(mode="json"),
+        }
+    return {**raw, "algorithm": algorithm}
+
+
 def open_tracker(cfg: ExperimentConfig, run_name: str, run_dir: Path) -> RunTracker:
     """The tracker of one run of ``cfg`` (no backend when ``cfg.tracking`` names none)."""
     t = cfg.tracking
     openers: list[tuple[str, Callable[[], Backend]]] = []
     if t.tensorboard is None and t.mlflow is None:
         return RunTracker(run_dir, openers)
-    params = flat_params(cfg.to_dict())
+    params = flat_params(resolved_config(cfg))
     if t.tensorboard is not None:
         folder = Path(t.tensorboard).expanduser() / run_name
         text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,158 @@
+"""Experiment tracking: TensorBoard event files and a local MLflow store, read back with the
+libraries' own readers; a failing tracking server never costs the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+import feddomain
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("mlflow")
+
+PROJECT = Path(__file__).resolve().parents[1]
+DEMO = PROJECT / "configs" / "demo.yaml"
+CHEAP = ["split.targets=[grey]", "model.name=lenet5", "model.options={}", "rounds=2",
+         "eval.every=1"]  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """Every scalar in a TensorBoard run folder: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def hparams(folder: Path) -> dict[str, object]:
+    """The hyper-parameters of a TensorBoard run (the HParams plugin's session start)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    start = HParamsPluginData.FromString(content).session_start_info
+    return {
+        k: v.number_value if v.HasField("number_value") else v.string_value
+        for k, v in start.hparams.items()
+    }
+
+
+def test_tensorboard_holds_every_round_the_config_and_the_summary(tmp_path: Path) -> None:
+    """Catches rounds, metrics or the summary missing from (or differing in) the event file:
+    read back with TensorBoard's EventAccumulator, every value equals the run's own files."""
+    board = tmp_path / "tb"
+    cfg = feddomain.load_config(DEMO, *CHEAP, "train.lr=0.002", tracking={"tensorboard": board})
+    (run,) = feddomain.run(cfg, out=tmp_path / "run", quiet=True)
+    folder = board / "demo" / "fedavg" / "seed0" / "lodo-grey"
+    logged = scalars(folder)
+    rounds = read_jsonl(tmp_path / "run" / "rounds.jsonl")
+    for record in run.records:  # evaluated rounds: accuracy, calibration, per-domain scores
+        rnd = record["round"]
+        for key in ("id_acc", "ood_acc", "ood_ece", "ood_nll"):
+            assert logged[key][rnd] == pytest.approx(record[key], rel=1e-6)
+        assert logged["per_domain/grey"][rnd] == pytest.approx(record["per_domain"]["grey"])
+    for record in rounds:  # every round: bytes by kind, phase times, losses
+        rnd = record["round"]
+        assert logged["ledger/up/model"][rnd] == record["ledger"]["up"]["model"]
+        assert logged["ledger/down/scalars"][rnd] == record["ledger"]["down"]["scalars"]
+        assert logged["time/train"][rnd] == pytest.approx(record["time"]["train"], rel=1e-6)
+        losses = record["client_loss"].values()
+        assert logged["train_loss"][rnd] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+    selected = run.selected_round
+    assert logged["summary/ood_acc"] == {selected: pytest.approx(run.summary["ood_acc"])}
+    params = hparams(folder)
+    assert params["train.lr"] == pytest.approx(0.002) and params["algorithm.name"] == "fedavg"
+    assert params["tracking.tensorboard"] == str(board)
+
+
+def test_mlflow_holds_the_config_every_round_and_the_summary(tmp_path: Path) -> None:
+    """Catches parameters, per-round metrics, the summary or the run's name and status
+    missing from a local MLflow store (SQLite), read back with MLflow's own client."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = {"mlflow": {"tracking_uri": uri, "experiment": "api-test"}}
+    cfg = feddomain.load_config(DEMO, *CHEAP, "algorithm.name=fedprox", tracking=tracking)
+    (run,) = feddomain.run(cfg, out=tmp_path / "run", quiet=True)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("api-test")
+    (logged,) = client.search_runs([experiment.experiment_id])
+    assert logged.info.run_name == "demo/fedprox/seed0/lodo-grey"
+    assert logged.info.status == "FINISHED"
+    assert logged.data.params["algorithm.name"] == "fedprox"
+    assert logged.data.params["algorithm.mu"] == "0.01"  # FedProx's default, not in the YAML
+    assert logged.data.params["train.lr"] == str(cfg.train.lr)
+    history = client.get_metric_history(logged.info.run_id, "ood_acc")
+    assert {m.step: m.value for m in history} == {r["round"]: r["ood_acc"] for r in run.records}
+    rounds = read_jsonl(tmp_path / "run" / "rounds.jsonl")
+    up = client.get_metric_history(logged.info.run_id, "ledger/up/model")
+    assert {m.step: m.value for m in up} == {r["round"]: r["ledger"]["up"]["model"] for r in rounds}
+    assert logged.data.metrics["summary/ood_acc"] == run.summary["ood_acc"]
+    artifacts = {a.path for a in client.list_artifacts(logged.info.run_id)}
+    assert artifacts == {"config.yaml", "summary.json"}
+
+
+def test_an_unreachable_tracking_server_warns_once_and_the_run_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Catches a tracking failure stopping the run or losing its files, and a warning per
+    round instead of one: MLflow at a closed port (127.0.0.1:9), TensorBoard still written."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    tracking = {"mlflow": {"tracking_uri": "http://127.0.0.1:9"}, "tensorboard": tmp_path / "tb"}
+    cfg = feddomain.load_config(DEMO, *CHEAP, tracking=tracking)
+    with caplog.at_level(logging.WARNING, logger="feddomain"):
+        (run,) = feddomain.run(cfg, out=tmp_path / "run", quiet=True)
+    warnings = [r.getMessage() for r in caplog.records if "tracking:" in r.getMessage()]
+    assert len(warnings) == 1 and "mlflow failed to start" in warnings[0], warnings
+    assert str(tmp_path / "run") in warnings[0]
+    assert {p.name for p in (tmp_path / "run").iterdir()} >= {
+        "summary.json", "metrics.jsonl", "rounds.jsonl", "config.yaml"
+    }  # fmt: skip
+    assert run.summary["rounds"] == 2
+    assert scalars(tmp_path / "tb" / "demo" / "fedavg" / "seed0" / "lodo-grey")["ood_acc"]
+
+
+def test_a_sweep_tracks_each_run_as_its_own_run(tmp_path: Path) -> None:
+    """Catches a sweep's runs written into one TensorBoard run (or one MLflow run): each
+    grid point and split is its own, named after the sweep's run directory."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    feddomain.sweep(
+        DEMO, *CHEAP, "rounds=1", f"tracking.tensorboard={tmp_path / 'tb'}",
+        f"tracking.mlflow.tracking_uri={uri}", grid={"seed": [0, 1]}, out=tmp_path / "sw",
+    )  # fmt: skip
+    for seed in (0, 1):
+        folder = tmp_path / "tb" / "demo" / f"seed={seed}" / "lodo-grey"
+        summary = json.loads((tmp_path / "sw" / f"seed={seed}/lodo-grey/summary.json").read_text())
+        assert scalars(folder)["summary/ood_acc"][1] == pytest.approx(summary["ood_acc"])
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["demo/seed=0/lodo-grey", "demo/seed=1/lodo-grey"]
+    assert {r.data.params["seed"] for r in runs} == {"0", "1"}
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_when_the_config_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches a run that starts (and trains) although its tracking cannot work: the
+    message names the key and the extra to install."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name)
+    )
+    with pytest.raises(feddomain.ConfigError, match=r"'tracking\.mlflow'.*feddomain\[mlflow\]"):
+        feddomain.load_config(DEMO, tracking={"mlflow": {"experiment": "x"}})
