@@ -74,6 +74,15 @@ def test_the_config_key_loads_the_plugin_and_fednova_reduces_to_fedavg(
     assert [r["ood_acc"] for r in a.records] == [r["ood_acc"] for r in b.records]
 
 
+def test_the_tutorial_shows_the_example_packages_code() -> None:
+    """Catches docs/plugins.md drifting from the example package it walks through: its Python
+    and pyproject blocks are the package's files, verbatim."""
+    doc = (PROJECT / "docs" / "plugins.md").read_text()
+    blocks = re.findall(r"```(?:python|toml)\n(.*?)```", doc, flags=re.S)
+    assert (EXAMPLE / "feddomain_fednova" / "__init__.py").read_text() in blocks
+    assert (EXAMPLE / "pyproject.toml").read_text() in blocks
+
+
 def test_fednova_aggregates_normalised_updates_as_computed_by_hand(example: None) -> None:
     """Catches a server step other than w − η_g·τ_eff·Σ p_i d_i: two clients of 1 and 3
     samples with 2 and 6 steps from w = 1 (p = 1/4, 3/4; τ_eff = 5)."""
