@@ -141,7 +141,8 @@ def test_a_sweep_tracks_each_run_as_its_own_run(tmp_path: Path) -> None:
         assert scalars(folder)["summary/ood_acc"][1] == pytest.approx(summary["ood_acc"])
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["demo/seed=0/lodo-grey", "demo/seed=1/lodo-grey"]
+    names = sorted(r.info.run_name for r in runs)
+    assert names == ["demo/seed=0/lodo-grey", "demo/seed=1/lodo-grey"]
     assert {r.data.params["seed"] for r in runs} == {"0", "1"}
 
 
