@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import feddomain
+from feddomain.api import run_experiment
+from feddomain.federation.simulation import Simulation
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("mlflow")
@@ -77,11 +79,19 @@ def test_tensorboard_holds_every_round_the_config_and_the_summary(tmp_path: Path
     assert params["tracking.tensorboard"] == str(board)
 
 
-def test_mlflow_holds_the_config_every_round_and_the_summary(tmp_path: Path) -> None:
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """MLflow's SQLite store keeps artifacts in ./mlruns: the test's own folder."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_mlflow_holds_the_config_every_round_and_the_summary(in_tmp: Path) -> None:
     """Catches parameters, per-round metrics, the summary or the run's name and status
     missing from a local MLflow store (SQLite), read back with MLflow's own client."""
     from mlflow import MlflowClient
 
+    tmp_path = in_tmp
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracking = {"mlflow": {"tracking_uri": uri, "experiment": "api-test"}}
     cfg = feddomain.load_config(DEMO, *CHEAP, "algorithm.name=fedprox", tracking=tracking)
@@ -125,11 +135,12 @@ def test_an_unreachable_tracking_server_warns_once_and_the_run_is_kept(
     assert scalars(tmp_path / "tb" / "demo" / "fedavg" / "seed0" / "lodo-grey")["ood_acc"]
 
 
-def test_a_sweep_tracks_each_run_as_its_own_run(tmp_path: Path) -> None:
+def test_a_sweep_tracks_each_run_as_its_own_run(in_tmp: Path) -> None:
     """Catches a sweep's runs written into one TensorBoard run (or one MLflow run): each
     grid point and split is its own, named after the sweep's run directory."""
     from mlflow import MlflowClient
 
+    tmp_path = in_tmp
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     feddomain.sweep(
         DEMO, *CHEAP, "rounds=1", f"tracking.tensorboard={tmp_path / 'tb'}",
@@ -144,6 +155,40 @@ def test_a_sweep_tracks_each_run_as_its_own_run(tmp_path: Path) -> None:
     names = sorted(r.info.run_name for r in runs)
     assert names == ["demo/seed=0/lodo-grey", "demo/seed=1/lodo-grey"]
     assert {r.data.params["seed"] for r in runs} == {"0", "1"}
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashesInRound3(Simulation):
+    def _round(self, rnd: int) -> dict:
+        if rnd == 3:
+            raise _Crash
+        return super()._round(rnd)
+
+
+def test_a_resumed_run_continues_its_mlflow_run(in_tmp: Path) -> None:
+    """Catches a resumed run opening a second MLflow run (or leaving the first unfinished):
+    a run that crashed in round 3 (checkpoint after round 2) and was resumed is one FINISHED
+    MLflow run whose history holds each of its 4 rounds."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{in_tmp / 'mlflow.db'}"
+    cfg = feddomain.load_config(
+        DEMO, *CHEAP, "rounds=4", "checkpoint.every=2", tracking={"mlflow": {"tracking_uri": uri}}
+    )
+    with pytest.raises(_Crash):
+        run_experiment(cfg, in_tmp / "run", quiet=True, simulation=CrashesInRound3)
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name("demo").experiment_id
+    (crashed,) = client.search_runs([exp_id])
+    assert crashed.info.status == "FAILED"
+    feddomain.run(out=in_tmp / "run", resume=True, quiet=True)
+    (logged,) = client.search_runs([exp_id])
+    assert logged.info.run_id == crashed.info.run_id and logged.info.status == "FINISHED"
+    history = client.get_metric_history(logged.info.run_id, "ood_acc")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]  # eval.every=1; no round twice
 
 
 def test_a_tracker_whose_package_is_missing_is_refused_when_the_config_loads(
