@@ -17,8 +17,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import os
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ SKIPPED = frozenset(
      "rejected_updates", "server_state", "client_ood_acc"}
 )  # fmt: skip
 Flat = dict[str, float]
+PROBE_TIMEOUT_S = 5.0  # how long a tracking server may take to answer before it is dropped
 
 
 def missing_package(backend: str) -> str | None:
@@ -150,6 +154,7 @@ class MlflowBackend(Backend):
     ) -> None:
         from mlflow import MlflowClient
 
+        _check_reachable(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""))
         self.client = MlflowClient(tracking_uri)
         self.run_dir = run_dir
         found = self.client.get_experiment_by_name(experiment)
@@ -195,6 +200,22 @@ class MlflowBackend(Backend):
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+def _check_reachable(uri: str) -> None:
+    """Fail fast on a tracking server that does not answer: MLflow's client retries a refused
+    connection with back-off for minutes before it gives up, which would hold the run's start.
+    Any HTTP answer (even an error status) counts as reachable."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return
+    except OSError as err:  # URLError, a timeout, a refused connection
+        reason = getattr(err, "reason", err)
+        waited = f"{PROBE_TIMEOUT_S:.0f} s"
+        raise ConnectionError(f"no answer from {uri} in {waited} ({reason})") from None
 
 
 def _mlflow_key(key: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -115,16 +116,16 @@ def test_mlflow_holds_the_config_every_round_and_the_summary(in_tmp: Path) -> No
 
 
 def test_an_unreachable_tracking_server_warns_once_and_the_run_is_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Catches a tracking failure stopping the run or losing its files, and a warning per
     round instead of one: MLflow at a closed port (127.0.0.1:9), TensorBoard still written."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     tracking = {"mlflow": {"tracking_uri": "http://127.0.0.1:9"}, "tensorboard": tmp_path / "tb"}
     cfg = feddomain.load_config(DEMO, *CHEAP, tracking=tracking)
+    start = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="feddomain"):
         (run,) = feddomain.run(cfg, out=tmp_path / "run", quiet=True)
+    assert time.perf_counter() - start < 60  # MLflow's own retries would take minutes
     warnings = [r.getMessage() for r in caplog.records if "tracking:" in r.getMessage()]
     assert len(warnings) == 1 and "mlflow failed to start" in warnings[0], warnings
     assert str(tmp_path / "run") in warnings[0]
