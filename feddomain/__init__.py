@@ -35,42 +35,25 @@ _API: dict[str, tuple[str, str]] = {
     "DatasetSpec": ("feddomain.data.sources", "DatasetSpec"),
     # "tune": ("feddomain.tune", "tune"),  # enable once feddomain/tune.py is merged
 }
-__all__ = [
-    "ConfigError",
-    "DatasetSpec",
-    "ExperimentConfig",
-    "ExperimentResult",
-    "FeddomainError",
-    "FinishedRun",
-    "Hparams",
-    "MethodSpec",
-    "SweepResult",
-    "__version__",
-    "load_config",
-    "register",
-    "register_dataset",
-    "register_model",
-    "report",
-    "run",
-    "sweep",
-]
+__all__ = ["__version__", *_API]
 
-if TYPE_CHECKING:
-    from feddomain.algorithms.base import Hparams, MethodSpec
-    from feddomain.algorithms.registry import register
-    from feddomain.api import (
-        ExperimentResult,
-        FinishedRun,
-        SweepResult,
-        load_config,
-        report,
-        run,
-        sweep,
-    )
-    from feddomain.config import ExperimentConfig
-    from feddomain.data.sources import DatasetSpec, register_dataset
-    from feddomain.errors import ConfigError, FeddomainError
-    from feddomain.models import register_model
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
+    from feddomain.algorithms.base import Hparams as Hparams
+    from feddomain.algorithms.base import MethodSpec as MethodSpec
+    from feddomain.algorithms.registry import register as register
+    from feddomain.api import ExperimentResult as ExperimentResult
+    from feddomain.api import FinishedRun as FinishedRun
+    from feddomain.api import SweepResult as SweepResult
+    from feddomain.api import load_config as load_config
+    from feddomain.api import report as report
+    from feddomain.api import run as run
+    from feddomain.api import sweep as sweep
+    from feddomain.config import ExperimentConfig as ExperimentConfig
+    from feddomain.data.sources import DatasetSpec as DatasetSpec
+    from feddomain.data.sources import register_dataset as register_dataset
+    from feddomain.errors import ConfigError as ConfigError
+    from feddomain.errors import FeddomainError as FeddomainError
+    from feddomain.models import register_model as register_model
 
 
 def __getattr__(name: str) -> Any:
