@@ -241,8 +241,8 @@ class MlflowConfig(Section):
     """Where MLflow records the runs."""
 
     tracking_uri: str | None = None
-    """MLflow tracking URI (`http://host:5000`, `file:///path/mlruns`, `sqlite:///mlflow.db`);
-    null: MLflow's own default (`$MLFLOW_TRACKING_URI`, else `./mlruns`)."""
+    """MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`); null: MLflow's own
+    default (`$MLFLOW_TRACKING_URI`, else a local store in the current folder)."""
     experiment: str | None = None
     """MLflow experiment the runs are recorded under; null: the config's `name`."""
 
@@ -256,8 +256,9 @@ class TrackingConfig(Section):
     """Folder of TensorBoard event files, one sub-folder per run (`tensorboard --logdir`);
     null: off. Needs `pip install 'feddomain[tensorboard]'`."""
     mlflow: MlflowConfig | None = None
-    """MLflow tracking (`{tracking_uri: ..., experiment: ...}`); null: off. Needs
-    `pip install 'feddomain[mlflow]'`."""
+    """MLflow tracking, `{tracking_uri: URI, experiment: NAME}` (both optional: the URI
+    defaults to `$MLFLOW_TRACKING_URI`, else MLflow's local store in the current folder; the
+    experiment to the config's `name`); null: off. Needs `pip install 'feddomain[mlflow]'`."""
 
     @model_validator(mode="after")
     def _installed(self) -> TrackingConfig:
