@@ -203,3 +203,38 @@ def test_a_tracker_whose_package_is_missing_is_refused_when_the_config_loads(
     )
     with pytest.raises(feddomain.ConfigError, match=r"'tracking\.mlflow'.*feddomain\[mlflow\]"):
         feddomain.load_config(DEMO, tracking={"mlflow": {"experiment": "x"}})
+
+
+def test_a_backend_failing_mid_run_warns_once_and_the_others_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Catches a backend that fails in round 2 (a server gone mid-run) warning every round
+    after, being called again, or taking a working backend down with it."""
+    from feddomain.tracking import Backend, RunTracker
+
+    class Recording(Backend):
+        def __init__(self, name: str, fail_at: int | None) -> None:
+            self.name, self.fail_at, self.rounds, self.closed = name, fail_at, [], None
+
+        def log_round(self, rnd: int, metrics: dict) -> None:
+            if rnd == self.fail_at:
+                raise ConnectionError("server gone")
+            self.rounds.append(rnd)
+
+        def log_summary(self, step: int, metrics: dict) -> None:
+            self.rounds.append("summary")
+
+        def close(self, status: str) -> None:
+            self.closed = status
+
+    flaky, steady = Recording("flaky", fail_at=2), Recording("steady", fail_at=None)
+    tracker = RunTracker(tmp_path, [("flaky", lambda: flaky), ("steady", lambda: steady)])
+    with caplog.at_level(logging.WARNING, logger="feddomain"):
+        for rnd in (1, 2, 3, 4):
+            tracker.log_round({"round": rnd, "ood_acc": 0.5})
+        tracker.log_summary({"selected_round": 4, "ood_acc": 0.5})
+        tracker.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "flaky failed to log round (ConnectionError" in warnings[0]
+    assert flaky.rounds == [1] and flaky.closed is None
+    assert steady.rounds == [1, 2, 3, 4, "summary"] and steady.closed == "FINISHED"
