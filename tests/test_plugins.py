@@ -251,3 +251,60 @@ def test_an_entry_point_that_fails_names_itself_and_its_distribution(
     )
     with pytest.raises(PluginError, match=expected):
         feddomain.load_config(None)
+
+
+TINY_PLUGIN = """
+import torch
+from torch import nn
+from feddomain import DatasetSpec
+from feddomain.data.dataset import DomainDataset
+from feddomain.models.base import FeatureClassifier
+
+
+def tiny_net(num_classes, *, resolution=32, width=4):
+    \"\"\"A plug-in's model: one convolution, global pooling, a linear head.\"\"\"
+    features = nn.Sequential(nn.Conv2d(3, width, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten())
+    return FeatureClassifier(features, nn.Linear(width, num_classes), width)
+
+
+def _stripes(resolution, seed, cache_dir):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(120) % 2
+    domains = torch.arange(120) // 40
+    images = torch.randint(0, 100, (120, 3, resolution, resolution), generator=g)
+    images[labels == 1, :, :, ::2] += 120  # class 1: vertical stripes
+    return DomainDataset("stripes", ("a", "b", "c"), ("plain", "striped"),
+                         images.to(torch.uint8), labels, domains)
+
+
+STRIPES = DatasetSpec("stripes", None, None, None, builtin=_stripes)
+"""
+
+
+def test_a_dataset_and_a_model_from_entry_points_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches the dataset and model groups not registering what their entry points name (a
+    DatasetSpec object; a builder, under the entry point's name) or a run not reaching them."""
+    (tmp_path / "tiny_plugin.py").write_text(TINY_PLUGIN)
+    info = tmp_path / "tiny_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[feddomain.datasets]\nstripes = tiny_plugin:STRIPES\n\n"
+        "[feddomain.models]\ntiny_net = tiny_plugin:tiny_net\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugins, "_entry_points_loaded", False)
+    try:
+        cfg = feddomain.load_config(
+            None, "rounds=1", "split.targets=[c]", "partition.n_clients=2",
+            dataset={"name": "stripes"}, model={"name": "tiny_net", "options": {"width": 2}},
+        )  # fmt: skip
+        (run,) = feddomain.run(cfg, out=tmp_path / "run", quiet=True)
+        assert run.summary["dataset"] == "stripes" and run.summary["target_domains"] == ["c"]
+        assert MODELS["tiny_net"].__module__ == "tiny_plugin"
+    finally:
+        DATASETS.pop("stripes", None)
+        MODELS.pop("tiny_net", None)
