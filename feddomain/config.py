@@ -254,6 +254,40 @@ class CheckpointConfig(Section):
     """Checkpoint every this many rounds; 0: never (an interrupted run restarts)."""
 
 
+class MlflowConfig(Section):
+    """Where MLflow records the runs."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`); null: MLflow's own
+    default (`$MLFLOW_TRACKING_URI`, else a local store in the current folder)."""
+    experiment: str | None = None
+    """MLflow experiment the runs are recorded under; null: the config's `name`."""
+
+
+class TrackingConfig(Section):
+    """Experiment tracking: every round's metrics, the resolved config as hyper-parameters and
+    the summary, also sent to TensorBoard and/or MLflow (the run directory's files are written
+    as always; a tracking failure warns once and the run goes on)."""
+
+    tensorboard: str | None = None
+    """Folder of TensorBoard event files, one sub-folder per run (`tensorboard --logdir`);
+    null: off. Needs `pip install 'feddomain[tensorboard]'`."""
+    mlflow: MlflowConfig | None = None
+    """MLflow tracking, `{tracking_uri: URI, experiment: NAME}` (both optional: the URI
+    defaults to `$MLFLOW_TRACKING_URI`, else MLflow's local store in the current folder; the
+    experiment to the config's `name`); null: off. Needs `pip install 'feddomain[mlflow]'`."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> TrackingConfig:
+        from feddomain.tracking import missing_package  # late: a cheap check, no import
+
+        for key, on in (("tensorboard", self.tensorboard is not None), ("mlflow", self.mlflow)):
+            problem = missing_package(key) if on else None
+            if problem:
+                raise ValueError(f"'tracking.{key}': {problem}")
+        return self
+
+
 class AlgorithmConfig(BaseModel):
     """``name`` picks the method; every other key is that method's hyper-parameter."""
 
@@ -296,6 +330,10 @@ class ExperimentConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    plugins: list[str] = Field(default_factory=list)
+    """Modules imported before the config is validated, each registering methods, datasets or
+    models of its own (`my_package.my_method`; docs/plugins.md)."""
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -393,6 +431,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    from feddomain.plugins import load_plugins  # late: plugins import the registries
+
+    load_plugins(raw.get("plugins"), source)
     try:
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as err:

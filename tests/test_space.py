@@ -12,6 +12,7 @@ from feddomain.algorithms.fedprox import FedProxClient, FedProxHparams
 from feddomain.algorithms.fedvr import NoVarHparams
 from feddomain.algorithms.space import Choice, Int, LogUniform, Uniform, check_space, lr_dimension
 from feddomain.cli import main
+from feddomain.errors import ConfigError
 
 
 def test_every_registered_method_has_a_space_that_covers_its_default():
@@ -31,7 +32,7 @@ def test_a_space_that_misses_the_default_is_refused_at_registration():
         "fedprox_narrow", FedAvgServer, FedProxClient, FedProxHparams,
         space={"mu": LogUniform(0.1, 1.0)},
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"mu = log-uniform \[0.1, 1\] does not cover the default"):
+    with pytest.raises(ConfigError, match=r"mu = log-uniform \[0.1, 1\] does not cover the"):
         register(spec)
     assert "fedprox_narrow" not in METHODS
 

@@ -89,7 +89,8 @@ CHARS_PER_INCH = 9  # of a figure title at matplotlib's default size, with a mar
 # config keys that do not change what a run computes: runs differing only here are one setting
 NEUTRAL_KEYS = frozenset(
     {"name", "seed", "threads", "dataset.root", "dataset.cache_dir", "split.targets",
-     "checkpoint.every", "eval.batch_size"}
+     "checkpoint.every", "eval.batch_size", "tracking.tensorboard", "tracking.mlflow",
+     "tracking.mlflow.tracking_uri", "tracking.mlflow.experiment"}
 )  # fmt: skip
 
 

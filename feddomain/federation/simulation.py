@@ -78,6 +78,7 @@ class Simulation:
         out_dir: Path,
         *,
         progress: Callable[[int, dict[str, Any] | None], None] | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -86,6 +87,7 @@ class Simulation:
         self.data = (data.pooled() if self.method.spec.pooled else data).to(self.device)
         self.out = out_dir
         self.progress = progress
+        self.on_round = on_round  # every round's record once written (experiment tracking)
         n_classes = len(data.classes)
         if cfg.model.frozen:  # clients hold cached backbone features: train only a head
             n_features = int(data.train[0].inputs.shape[1])
@@ -194,6 +196,8 @@ class Simulation:
                 self.records.append(record)
                 self._append_metrics(record)
             self._append_rounds()
+            if self.on_round:
+                self.on_round(record)
             if self.progress:
                 self.progress(rnd, record if "id_acc" in record else None)
             every = self.cfg.checkpoint.every

@@ -37,6 +37,27 @@ MODELS: dict[str, Builder] = {
     "vgg11": vgg11,
 }
 
+
+
+def register_model(name: str, builder: Builder) -> Builder:
+    """Add a model of one's own (docs/plugins.md): ``builder(num_classes, *, resolution,
+    **options)`` returns a ``FeatureClassifier``; its keyword-only parameters are the model's
+    ``model.options``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"a model's name must be a non-empty string, got {name!r}")
+    if name in MODELS:
+        raise ConfigError(f"model {name!r} is already registered (by {MODELS[name].__module__})")
+    if not callable(builder):
+        raise ConfigError(f"model {name!r}: its builder must be callable, got {builder!r}")
+    params = inspect.signature(builder).parameters
+    if "resolution" not in params:
+        raise ConfigError(
+            f"model {name!r}: its builder must take (num_classes, *, resolution, **options)"
+        )
+    MODELS[name] = builder
+    return builder
+
+
 IMAGENET_NORMALIZATION: Normalization = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 _PRETRAINED_NORMALIZATION: dict[str, Normalization] = {
     "resnet18": IMAGENET_NORMALIZATION,
