@@ -352,10 +352,14 @@ def _model_inputs(
             BatchAugment(AugmentConfig(), cfg.train.mean, cfg.train.std),
         )
     if augment != AugmentConfig(crop_ratio=augment.crop_ratio):
-        mode = "model.frozen: true" if cfg.model.frozen else "model.frozen_prefix"
+        mode = (
+            "frozen-backbone mode (model.frozen: true)"
+            if cfg.model.frozen
+            else "frozen-prefix mode (model.frozen_prefix)"
+        )
         raise ConfigError(
-            f"train.augment cannot apply with a cached frozen backbone ({mode}): its output is "
-            "computed once from the un-augmented images; turn augmentation off"
+            f"train.augment cannot apply in {mode}: its output is computed once from the "
+            "un-augmented images; turn augmentation off"
         )
     if cfg.model.frozen:
         return frozen_features(cfg, dataset), None, None
