@@ -430,7 +430,9 @@ class MethodSpec:
     shrinkage at the stations), so any client method keeps its own logic underneath.
     ``batchable``: its client part's "fit" is the plain step and implements ``run_batch``, so a
     round's clients may be trained together (``train.batched_clients``); not inherited by a
-    method whose client subclasses it."""
+    method whose client subclasses it. ``image_only``: why the method needs images (or the
+    BatchNorm statistics only image models have); it is refused on text datasets, naming that
+    reason, when the config loads."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -445,6 +447,7 @@ class MethodSpec:
     client_wrapper: ClientWrapper | None = None
     station_wrapper: StationWrapper | None = None
     batchable: bool = False
+    image_only: str | None = None
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)

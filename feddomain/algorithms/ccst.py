@@ -90,5 +90,6 @@ register(
             "(Chen et al., WACV 2023)"
         ),
         check_config=check_style_config,
+        image_only="transfers image styles (channel statistics of convolutional feature maps)",
     )
 )

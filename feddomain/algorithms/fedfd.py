@@ -339,5 +339,6 @@ register(
         "global BatchNorm statistics, with client-agnostic losses (Yang et al., ECCV 2024)",
         model_hook=fedfd_model,
         check_config=check("fedfd"),
+        image_only="diversifies BatchNorm statistics, which text models do not have",
     )
 )

@@ -155,5 +155,6 @@ register(
         "mixes instance and global statistics per test sample (Yang et al., ECCV 2024)",
         model_hook=fedfd_a_model,
         check_config=check("fedfd_a"),
+        image_only="adapts BatchNorm statistics, which text models do not have",
     )
 )

@@ -151,5 +151,6 @@ register(
         ),
         model_hook=fisc_model,
         check_config=check_style_config,
+        image_only="transfers image styles (channel statistics of convolutional feature maps)",
     )
 )

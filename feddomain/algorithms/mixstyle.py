@@ -174,5 +174,6 @@ register(
         "samples after early conv stages (Zhou et al., ICLR 2021)",
         model_hook=insert_mixstyle,
         check_config=model_requirement("mixstyle", stage_problem),
+        image_only="mixes the channel statistics of convolutional feature maps",
     )
 )
