@@ -29,6 +29,11 @@ from feddomain.models.base import FeatureClassifier
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+# a tokenizer's vocabulary file, one of which a checkpoint folder must hold
+TOKENIZER_FILES = (
+    "tokenizer.json", "vocab.json", "vocab.txt", "spm.model", "tokenizer.model",
+    "sentencepiece.bpe.model",
+)  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx")
 # registry name -> the config.json model types it accepts (None: any architecture)
 ARCHITECTURES: dict[str, tuple[str, ...] | None] = {
@@ -192,6 +197,12 @@ def checkpoint_tokenizer(name: str, path: str | None) -> CheckpointTokenizer:
     every file of the folder but the weights, so a changed vocabulary re-tokenises the data."""
     checkpoint_config(name, path)
     folder = Path(str(path)).expanduser()
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json alone (every word unknown)
+        raise ConfigError(
+            f"model {name!r}: no usable tokenizer files in {folder} (none of "
+            f"{', '.join(TOKENIZER_FILES)}; save the tokenizer there with save_pretrained)"
+        )
     try:
         tok = _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
