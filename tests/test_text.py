@@ -201,7 +201,10 @@ def test_the_image_only_list_is_complete():
 def test_image_only_client_part_under_an_aggregator_is_refused(tmp_path):
     """Catches only the aggregator's part being checked when a client method is composed."""
     raw = _config(
-        tmp_path, tmp_path, algorithm={"name": "hfedatm", "client": "fisc"}, topology={"stations": 1}
+        tmp_path,
+        tmp_path,
+        algorithm={"name": "hfedatm", "client": "fisc"},
+        topology={"stations": 1},
     )
     with pytest.raises(ConfigError, match=r"'algorithm.client.name': fisc cannot run"):
         validate_config(raw)

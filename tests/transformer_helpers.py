@@ -35,7 +35,11 @@ def word_tokenizer(words: list[str]):
         single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
     )
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
     )
 
 
