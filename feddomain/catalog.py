@@ -50,14 +50,29 @@ def datasets() -> list[Row]:
 
     rows = []
     for name, spec in DATASETS.items():
+        text = "; text (a text model's tokens)" if spec.is_text else ""
         if spec.builtin is not None:
             rows.append((name, f"built in, no download; domains: {', '.join(EMBEDDED_DOMAINS)}"))
+        elif spec.kind == "wilds":
+            rows.append(
+                (
+                    name,
+                    f"<root>/{spec.folder}/ (WILDS metadata.csv + images); domains: its camera "
+                    "locations; classes: its labels; split.scheme: wilds",
+                )
+            )
         elif spec.domains is None:
-            rows.append((name, "any <root>/<domain>/<class>/<image> tree; domains: its folders"))
+            sample = "<file>.txt" if spec.is_text else "<image>"
+            rows.append(
+                (name, f"any <root>/<domain>/<class>/{sample} tree; domains: its folders{text}")
+            )
         else:
             classes = f"{len(spec.classes)} classes" if spec.classes else "classes: its folders"
             rows.append(
-                (name, f"<root>/{spec.folder}/; domains: {', '.join(spec.domains)}; {classes}")
+                (
+                    name,
+                    f"<root>/{spec.folder}/; domains: {', '.join(spec.domains)}; {classes}{text}",
+                )
             )
     return rows
 

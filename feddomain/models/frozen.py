@@ -54,8 +54,8 @@ def _check_inputs(
     image = images_u8.dtype == torch.uint8 and images_u8.ndim == 4 and images_u8.shape[1] == 3
     if not (image or _is_tokens(images_u8)):
         raise DataError(
-            f"frozen features: images must be uint8 [N, 3, H, W] (or int32 token ids [N, L]), "
-            f"got {images_u8.dtype} {tuple(images_u8.shape)}"
+            f"frozen features: images must be uint8 [N, 3, H, W], got {images_u8.dtype} "
+            f"{tuple(images_u8.shape)} (text: int32 token ids [N, L])"
         )
     if batch_size < 1:
         raise ConfigError(f"frozen features: batch_size={batch_size} must be >= 1")
