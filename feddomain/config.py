@@ -430,7 +430,7 @@ def _check_model(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"model {m.name!r} with options {m.options}: {err}") from None
 
 
-def _text_dataset(cfg: ExperimentConfig) -> str | None:
+def text_dataset(cfg: ExperimentConfig) -> str | None:
     """The dataset's name if it is a text dataset, else None (also for an unknown name, which
     the loader names)."""
     from feddomain.data.sources import get_spec  # late: data imports this module
@@ -447,7 +447,7 @@ def _check_modality(cfg: ExperimentConfig) -> None:
     """Text datasets need a text model and no image augmentation; images need an image model."""
     from feddomain.models import TEXT_MODELS, is_text_model
 
-    text = _text_dataset(cfg)
+    text = text_dataset(cfg)
     if text is None and is_text_model(cfg.model.name):
         raise ConfigError(
             f"invalid configuration: 'model.name' = {cfg.model.name!r} reads text, and dataset "
@@ -476,7 +476,7 @@ def _check_algorithm(cfg: ExperimentConfig) -> None:
     parts = [(method.client_spec, method.client_hp)]
     if method.spec is not method.client_spec:
         parts.append((method.spec, method.hp))
-    text = _text_dataset(cfg)
+    text = text_dataset(cfg)
     for spec, _ in parts:
         if text and spec.image_only:
             key = "algorithm.client.name" if spec is not method.spec else "algorithm.name"

@@ -28,17 +28,33 @@ def checkpoint(tmp_path_factory) -> Path:
     return save_checkpoint(tmp_path_factory.mktemp("roberta"), WORDS)
 
 
-def test_split_computes_the_sequence_classifiers_own_logits():
-    """Catches a featurizer that pools another token, skips the head's dense + tanh, or ignores
-    the attention mask: classifier(featurizer(ids)) must equal the library model's logits."""
+def _tiny(arch: str, num_labels: int):
+    """A randomly initialised sequence classifier of ``arch`` (pad id 1 for all three)."""
+    common = dict(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=64, pad_token_id=1, num_labels=num_labels,
+    )  # fmt: skip
+    if arch == "roberta":
+        return transformers.RobertaForSequenceClassification(
+            tiny_roberta_config(num_labels=num_labels)
+        )
+    if arch == "deberta-v2":  # DeBERTa's ContextPooler, then a Linear classifier
+        config = transformers.DebertaV2Config(**common, pooler_hidden_size=16)
+        return transformers.DebertaV2ForSequenceClassification(config)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(**common))
+
+
+@pytest.mark.parametrize("arch", ["roberta", "deberta-v2", "bert"])
+def test_split_computes_the_sequence_classifiers_own_logits(arch):
+    """Catches a featurizer that pools another token, skips the head's dense + tanh (RoBERTa)
+    or pooler (DeBERTa, BERT), or ignores the attention mask: classifier(featurizer(ids)) must
+    equal the library model's logits."""
     torch.manual_seed(0)
-    reference = transformers.RobertaForSequenceClassification(tiny_roberta_config(num_labels=3))
-    reference.eval()
+    reference = _tiny(arch, num_labels=3).eval()
     ids = torch.tensor([[0, 5, 9, 7, 2, 1, 1], [0, 4, 2, 1, 1, 1, 1]], dtype=torch.int32)
     with torch.no_grad():
         expected = reference(input_ids=ids.long(), attention_mask=(ids != 1).long()).logits
-        model = sequence_classifier(reference, 3, pad_id=1)  # 3 labels: the head is kept
-        model.eval()
+        model = sequence_classifier(reference, 3, pad_id=1).eval()  # 3 labels: head kept
         got = model.classifier(model.featurizer(ids))
     assert torch.allclose(got, expected, atol=1e-6)
     assert model.n_features == 16 and model.featurizer(ids).shape == (2, 16)
