@@ -277,3 +277,16 @@ def test_transformers_is_not_imported_by_the_cli_or_the_model_registry():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_image_only_commands_refuse_text_with_a_message(reviews, tmp_path):
+    """Catches `data describe` or `data export` running a text dataset through the image
+    path (Pillow errors on every review file, or site folders of nothing)."""
+    from feddomain.data.describe import describe
+    from feddomain.data.export import export_sites
+
+    with pytest.raises(DataError, match=r"reads image folders; AmazonReviews is a text dataset"):
+        describe("AmazonReviews", reviews)
+    cfg = validate_config(_config(reviews, tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"site folders hold images.*'AmazonReviews' is text"):
+        export_sites(cfg, tmp_path / "sites")

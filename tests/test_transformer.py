@@ -163,3 +163,40 @@ def test_a_roberta_run_completes_from_the_saved_checkpoint(checkpoint, tmp_path)
     (run,) = run_experiment(cfg, tmp_path / "run", quiet=True)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["target_domains"] == ["dvd"] and 0 <= summary["ood_acc"] <= 1
+
+
+def test_hfedatm_merges_a_transformer_by_regmean_without_alignment(checkpoint, tmp_path):
+    """Catches FOT trying to align a transformer (it has no conv filters: a no-op, as the
+    HFedATM paper defines it) or RegMean skipping the encoder's dense layers: the run uploads a
+    Gram for every nn.Linear, attention and feed-forward included."""
+    from feddomain.merging.gram import dense_layers
+    from feddomain.merging.permutation import permutation_spec
+
+    model = build_model("roberta", 2, path=str(checkpoint))
+    assert permutation_spec(model).groups == ()
+    linears = dense_layers(model)
+    assert "featurizer.model.roberta.encoder.layer.0.attention.self.query" in linears
+    assert "featurizer.model.roberta.encoder.layer.0.intermediate.dense" in linears
+    root = write_reviews(tmp_path / "data", n_per_class=4).parent
+    cfg = validate_config(
+        {
+            "rounds": 1,
+            "dataset": {
+                "name": "AmazonReviews", "root": str(root), "max_length": 12,
+                "cache_dir": str(tmp_path / "cache"),
+            },
+            "split": {"targets": ["books"]},
+            "partition": {"n_clients": 3},
+            "topology": {"stations": 3},
+            "model": {"name": "roberta", "options": {"path": str(checkpoint)}},
+            "train": {"batch_size": 4},
+            "algorithm": "hfedatm",
+            "eval": {"every": 1},
+            "checkpoint": {"every": 0},
+            "threads": 1,
+        }
+    )  # fmt: skip
+    (run,) = run_experiment(cfg, tmp_path / "run", quiet=True)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    (merge,) = record["diagnostics"]["merge"]
+    assert set(merge["regmean_ratio"]) == set(linears)  # every dense layer merged by RegMean
