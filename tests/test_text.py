@@ -186,7 +186,7 @@ def test_text_cnn_features_ignore_padding():
 
 # ----------------------------------------------------------------------- config checks
 
-IMAGE_ONLY = ("ccst", "fedbn", "fedfd", "fedfd_a", "fisc", "mixstyle", "silobn")
+IMAGE_ONLY = ("ccst", "fedbn", "fedfd", "fedfd_a", "fisc", "hfedf_ae_embed", "mixstyle", "silobn")
 
 
 @pytest.mark.parametrize("method", IMAGE_ONLY)
@@ -201,6 +201,13 @@ def test_image_only_methods_are_refused_on_text_by_name(tmp_path, method):
 def test_the_image_only_list_is_complete():
     """Catches a new image/BatchNorm method registered without declaring it."""
     assert sorted(n for n, s in METHODS.items() if s.image_only) == sorted(IMAGE_ONLY)
+
+
+def test_hfedf_autoencoder_embeddings_are_refused_on_text(tmp_path):
+    """Catches hFedF's image autoencoder reached through its hyper-parameter on text."""
+    raw = _config(tmp_path, tmp_path, algorithm={"name": "hfedf", "embedding": "autoencoder"})
+    with pytest.raises(ConfigError, match=r"'algorithm.embedding' = 'autoencoder' trains a conv"):
+        validate_config(raw)
 
 
 def test_image_only_client_part_under_an_aggregator_is_refused(tmp_path):
@@ -228,12 +235,11 @@ def test_text_needs_a_text_model_and_no_augmentation(tmp_path):
 
 # --------------------------------------------------------------------- acceptance runs
 
-TEXT_METHODS = sorted(
-    n for n, s in METHODS.items() if not s.image_only and not n.startswith(("hfedf_", "fedvr_"))
-)
+TEXT_METHODS = sorted(n for n, s in METHODS.items() if not s.image_only)
+FROZEN = {"model__frozen": True, "model__head_adapter": 4, "split__pilot_fraction": 0.2}
 OVERRIDES = {
     "scaffold": {"train__optimizer": "sgd"},
-    "fedvr": {"model__frozen": True, "model__head_adapter": 4, "split__pilot_fraction": 0.2},
+    **{n: FROZEN for n in TEXT_METHODS if n.startswith("fedvr")},  # FedVR: on frozen features
     "hfedatm": {"topology__stations": 3},
     "hfedavg": {"topology__stations": 3},
 }

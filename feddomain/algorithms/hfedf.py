@@ -41,6 +41,7 @@ from feddomain.algorithms.base import (
     ServerContext,
 )
 from feddomain.algorithms.registry import register
+from feddomain.config import text_dataset
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -753,5 +754,28 @@ _VARIANTS: list[tuple[str, type[HFedFHparams], str]] = [
     ("hfedf_ae_embed", AeEmbedHparams, "hFedF with fixed autoencoder embeddings"),
 ]
 
+AUTOENCODER = "trains a convolutional autoencoder on images for its client embeddings"
+
+
+def check_config(cfg: Any, hp: HFedFHparams) -> None:
+    """Autoencoder embeddings encode images: refused on a text dataset, naming the key."""
+    text = text_dataset(cfg)
+    if text and hp.embedding == "autoencoder":
+        raise ConfigError(
+            f"invalid configuration: 'algorithm.embedding' = 'autoencoder' {AUTOENCODER}; "
+            f"dataset {text!r} is text"
+        )
+
+
 for _name, _hparams, _description in _VARIANTS:
-    register(MethodSpec(_name, HFedFServer, HFedFClient, _hparams, description=_description))
+    register(
+        MethodSpec(
+            _name,
+            HFedFServer,
+            HFedFClient,
+            _hparams,
+            description=_description,
+            check_config=check_config,
+            image_only=AUTOENCODER if _hparams is AeEmbedHparams else None,
+        )
+    )
