@@ -15,6 +15,8 @@ from feddomain.cli import run_experiment
 from feddomain.config import validate_config
 from feddomain.data.text import load_text_dataset
 from feddomain.errors import ConfigError
+from feddomain.merging.fot import Solver, align
+from feddomain.merging.permutation import transformer_ffn_spec
 from feddomain.models import build_model, model_skeleton, model_tokenizer
 from feddomain.models.transformer import sequence_classifier
 from tests.text_helpers import BAD, GOOD, TOPIC, write_reviews
@@ -165,10 +167,11 @@ def test_a_roberta_run_completes_from_the_saved_checkpoint(checkpoint, tmp_path)
     assert summary["target_domains"] == ["dvd"] and 0 <= summary["ood_acc"] <= 1
 
 
-def test_hfedatm_merges_a_transformer_by_regmean_without_alignment(checkpoint, tmp_path):
-    """Catches FOT trying to align a transformer (it has no conv filters: a no-op, as the
-    HFedATM paper defines it) or RegMean skipping the encoder's dense layers: the run uploads a
-    Gram for every nn.Linear, attention and feed-forward included."""
+@pytest.mark.parametrize("ffn", [False, True])
+def test_hfedatm_merges_a_transformer_by_regmean(checkpoint, tmp_path, ffn):
+    """Catches FOT trying to align a transformer's filters (it has none: a no-op, as the HFedATM
+    paper defines it) unless fot_transformer_ffn asks for its feed-forward neurons, or RegMean
+    skipping the encoder's dense layers: a Gram for every nn.Linear, attention included."""
     from feddomain.merging.gram import dense_layers
     from feddomain.merging.permutation import permutation_spec
 
@@ -190,7 +193,7 @@ def test_hfedatm_merges_a_transformer_by_regmean_without_alignment(checkpoint, t
             "topology": {"stations": 3},
             "model": {"name": "roberta", "options": {"path": str(checkpoint)}},
             "train": {"batch_size": 4},
-            "algorithm": "hfedatm",
+            "algorithm": {"name": "hfedatm", "fot_transformer_ffn": ffn},
             "eval": {"every": 1},
             "checkpoint": {"every": 0},
             "threads": 1,
@@ -200,3 +203,45 @@ def test_hfedatm_merges_a_transformer_by_regmean_without_alignment(checkpoint, t
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     (merge,) = record["diagnostics"]["merge"]
     assert set(merge["regmean_ratio"]) == set(linears)  # every dense layer merged by RegMean
+    assert ("identity_fraction" in merge) == ffn  # FOT solved something only with ffn
+
+
+def test_ffn_alignment_recovers_a_permuted_copy_and_keeps_its_function():
+    """Catches feed-forward alignment that forgets the output layer's columns or its Gram (the
+    aligned model would compute another function), or permutes the wrong axis: a copy whose
+    hidden neurons are shuffled computes the same logits and aligns back exactly."""
+    torch.manual_seed(0)
+    model = sequence_classifier(_tiny("roberta", 2), 2, pad_id=1).eval()
+    spec = transformer_ffn_spec(model)
+    block = "featurizer.model.roberta.encoder.layer.0"
+    assert [g.name for g in spec.groups] == [f"{block}.ffn"]
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    shuffled = dict(ref)
+    for name in ("intermediate.dense.weight", "intermediate.dense.bias"):
+        shuffled[f"{block}.{name}"] = ref[f"{block}.{name}"][perm]
+    shuffled[f"{block}.output.dense.weight"] = ref[f"{block}.output.dense.weight"][:, perm]
+    ids = torch.tensor([[0, 5, 9, 7, 2, 1]], dtype=torch.int32)
+    with torch.no_grad():
+        expected = model(ids)
+        model.load_state_dict(shuffled)
+        assert torch.allclose(model(ids), expected, atol=1e-6)
+    x = torch.randn(20, 32, dtype=torch.float64)
+    gram = x.T @ x  # the output layer's input Gram; the shuffled copy sees x[:, perm]
+    grams = {f"{block}.output.dense": gram[perm][:, perm]}
+    result = align(spec, ref, shuffled, grams, Solver("exact"))
+    for name, value in ref.items():
+        assert torch.equal(result.arrays[name], value), name
+    assert torch.equal(result.grams[f"{block}.output.dense"], gram)
+
+
+def test_ffn_alignment_is_refused_for_a_model_without_transformer_blocks(tmp_path):
+    """Catches fot_transformer_ffn silently doing nothing on a model it cannot apply to."""
+    raw = {
+        "dataset": {"name": "AmazonReviews", "root": str(tmp_path)},
+        "model": {"name": "text_cnn"},
+        "topology": {"stations": 3},
+        "algorithm": {"name": "hfedatm", "fot_transformer_ffn": True},
+    }
+    with pytest.raises(ConfigError, match=r"fot_transformer_ffn needs transformer blocks"):
+        validate_config(raw)
