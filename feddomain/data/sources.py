@@ -439,7 +439,7 @@ def load_dataset(
 
         return load_wilds(spec, root, resolution, cache_dir, skip_corrupt=skip_corrupt)
     index = scan_image_folder(root, spec)
-    return _load_folder(spec, index, resolution, cache_dir, skip_corrupt)
+    return load_indexed_images(spec, index, resolution, cache_dir, skip_corrupt)
 
 
 def site_classes(roots: Sequence[PathLike]) -> tuple[str, ...]:
@@ -475,14 +475,16 @@ def load_site(
     index = scan_image_folder(site, spec, strict=False)
     if not len(index):
         raise DataError(f"site folder {site} holds no images (expected <domain>/<class>/<image>)")
-    return _load_folder(
+    return load_indexed_images(
         spec, index, resolution, Path(cache_dir or cache.default_cache_dir()), skip_corrupt
     )
 
 
-def _load_folder(
+def load_indexed_images(
     spec: DatasetSpec, index: FolderIndex, resolution: int, cache_dir: Path, skip_corrupt: bool
 ) -> DomainDataset:
+    """The images an index lists, from the cache or decoded once into it (folder datasets, site
+    folders, and WILDS' metadata-listed images alike)."""
     item_shape = (3, resolution, resolution)
     key = cache.content_key(spec.name, resolution, index.domains, index.classes, index.files())
     entry = cache.CacheEntry.locate(cache_dir, spec.name, resolution, index.dataset_dir)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from feddomain.data.dataset import DomainDataset
+from feddomain.data.sources import DatasetSpec, FolderIndex, load_indexed_images
 from feddomain.errors import DataError
 
 METADATA = "metadata.csv"
@@ -91,10 +92,14 @@ def class_names(folder: Path, n_classes: int) -> tuple[str, ...]:
 
 
 def load_wilds(
-    spec, root: str | os.PathLike[str], resolution: int, cache_dir: Path, *, skip_corrupt: bool
+    spec: DatasetSpec,
+    root: str | os.PathLike[str],
+    resolution: int,
+    cache_dir: Path,
+    *,
+    skip_corrupt: bool,
 ) -> DomainDataset:
     """A WILDS image dataset with every sample's location domain and official split."""
-    from feddomain.data.sources import FolderIndex, _load_folder  # the folder loader's cache path
 
     folder = wilds_dir(root, spec.folder)
     rows = read_metadata(folder / METADATA, spec.splits)
@@ -127,6 +132,6 @@ def load_wilds(
     )
     if len(set(index.paths)) != len(index.paths):
         raise DataError(f"{folder / METADATA} names some image file more than once")
-    dataset = _load_folder(spec, index, resolution, cache_dir, skip_corrupt)
+    dataset = load_indexed_images(spec, index, resolution, cache_dir, skip_corrupt)
     split_of = {name: split for split, _, _, name in rows}
     return replace(dataset, official_splits=tuple(split_of[p] for p in dataset.paths))
