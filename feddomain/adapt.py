@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from feddomain.config import ExperimentConfig, validate_config
+from feddomain.config import ExperimentConfig, text_dataset, validate_config
 from feddomain.errors import DataError, FeddomainError
 from feddomain.federation import checkpoint
 from feddomain.federation.data import UNLABELED, ClientData
@@ -129,6 +129,11 @@ def load_run(run_dir: Path) -> TrainedRun:
     import yaml
 
     cfg = validate_config(yaml.safe_load(config.read_text()))
+    if text_dataset(cfg):
+        raise FeddomainError(
+            f"{run_dir} trained on the text dataset {text_dataset(cfg)}; adapt and evaluate read "
+            "image folders"
+        )
     summary = json.loads(summary_file.read_text())
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
     exported = summary.get("server_state")

@@ -33,14 +33,18 @@ class Section(BaseModel):
 
 
 class DatasetConfig(Section):
-    """Which images, at what size."""
+    """Which images (or texts), at what size."""
 
     name: str = "digits_embedded"
-    """Dataset preset (`feddomain list datasets`), or `folder` for any DomainBed-style tree."""
+    """Dataset preset (`feddomain list datasets`), `folder` for any DomainBed-style tree, or
+    `text_folder` for any `<domain>/<class>/<file>.txt` tree."""
     root: str | None = None
-    """Folder holding `<Dataset>/<domain>/<class>/<image>`; not needed for `digits_embedded`."""
+    """Folder holding `<Dataset>/<domain>/<class>/<image>` (or the preset's own layout, e.g.
+    `sorted_data_acl/`, `iwildcam_v2.0/`); not needed for `digits_embedded`."""
     resolution: int = Field(32, ge=8, le=512)
     """Square side in pixels every image is resized to."""
+    max_length: int = Field(256, ge=2)
+    """Text datasets: tokens per sample (truncated or padded; HFedATM uses 256)."""
     cache_dir: str | None = None
     """Decoded-image cache; null: `$FEDDOMAIN_CACHE`, else `~/.cache/feddomain`."""
     skip_corrupt: bool = False
@@ -55,8 +59,9 @@ class SplitConfig(Section):
 
     scheme: str = "lodo"
     """`lodo`: each domain of `targets` held out in turn (all domains when `targets` is null);
-    `official`: PACS-style official train/crossval lists for id validation; or
-    `<train letters>-<val letter>-<test letter>`, e.g. `ac-p-s`."""
+    `<train letters>-<val letter>-<test letter>`, e.g. `ac-p-s`; or `wilds`: a WILDS dataset's
+    official splits (train locations to clients, their `id_val` as client validation, `val` and
+    `test` scored as two pooled sets)."""
     targets: list[str] | None = None
     """Unseen domains under `lodo` (one run each); a bare name is a one-element list."""
 
@@ -439,6 +444,7 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentCo
     except ValidationError as err:
         raise ConfigError(_explain(err, source)) from None
     _check_model(cfg)
+    _check_modality(cfg)
     _check_algorithm(cfg)
     _type_algorithm(cfg)
     _check_batched(cfg)
@@ -483,6 +489,44 @@ def _check_model(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"model {m.name!r} with options {m.options}: {err}") from None
 
 
+def text_dataset(cfg: ExperimentConfig) -> str | None:
+    """The dataset's name if it is a text dataset, else None (also for an unknown name, which
+    the loader names)."""
+    from feddomain.data.sources import get_spec  # late: data imports this module
+    from feddomain.errors import DataError
+
+    try:
+        spec = get_spec(cfg.dataset.name)
+    except DataError:
+        return None
+    return spec.name if spec.is_text else None
+
+
+def _check_modality(cfg: ExperimentConfig) -> None:
+    """Text datasets need a text model and no image augmentation; images need an image model."""
+    from feddomain.models import TEXT_MODELS, is_text_model
+
+    text = text_dataset(cfg)
+    if text is None and is_text_model(cfg.model.name):
+        raise ConfigError(
+            f"invalid configuration: 'model.name' = {cfg.model.name!r} reads text, and dataset "
+            f"{cfg.dataset.name!r} holds images"
+        )
+    if text is None:
+        return
+    if not is_text_model(cfg.model.name):
+        raise ConfigError(
+            f"invalid configuration: 'model.name' = {cfg.model.name!r} reads images, and dataset "
+            f"{text!r} is text; use one of {sorted(TEXT_MODELS)}"
+        )
+    augment = cfg.train.augment
+    if augment != AugmentSection(crop_ratio=augment.crop_ratio):
+        raise ConfigError(
+            f"invalid configuration: 'train.augment' is image augmentation; dataset {text!r} is "
+            "text: turn it off"
+        )
+
+
 def _check_algorithm(cfg: ExperimentConfig) -> None:
     from feddomain.algorithms import resolve_method  # late: algorithms import this module
 
@@ -491,6 +535,14 @@ def _check_algorithm(cfg: ExperimentConfig) -> None:
     parts = [(method.client_spec, method.client_hp)]
     if method.spec is not method.client_spec:
         parts.append((method.spec, method.hp))
+    text = text_dataset(cfg)
+    for spec, _ in parts:
+        if text and spec.image_only:
+            key = "algorithm.client.name" if spec is not method.spec else "algorithm.name"
+            raise ConfigError(
+                f"invalid configuration: '{key}': {spec.name} cannot run on the text "
+                f"dataset {text!r}: it {spec.image_only}"
+            )
     for spec, hp in parts:
         if spec.check_config is not None:
             spec.check_config(cfg, hp)

@@ -400,7 +400,8 @@ def test_vgg11_refuses_bad_options_naming_them(tmp_path) -> None:
 
 
 def test_registry_names_and_options() -> None:
-    assert set(MODELS) == {*RANDOM_INIT, "efficientnet_lite0", "vgg11"}
+    text = {"text_cnn", "transformer", "roberta", "deberta"}  # tests/test_text*.py
+    assert set(MODELS) == {*RANDOM_INIT, "efficientnet_lite0", "vgg11", *text}
     assert model_options("hfedf_cnn") == {"fc_act": "none"}
     assert model_options("resnet18") == {"weights_path": None, "freeze_bn_stats": False}
     assert isinstance(build_model("lenet5", 3), FeatureClassifier)

@@ -437,7 +437,9 @@ class MethodSpec:
     ``batchable``: its client part's "fit" is the plain step and implements ``run_batch``, so a
     round's clients may be trained together (``train.batched_clients``); not inherited by a
     method whose client subclasses it. ``space``: the hyper-parameters ``feddomain tune``
-    searches and their ranges (``algorithms/space.py``), checked at registration."""
+    searches and their ranges (``algorithms/space.py``), checked at registration.
+    ``image_only``: why the method needs images (or the BatchNorm statistics only image models
+    have); it is refused on text datasets, naming that reason, when the config loads."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -453,6 +455,7 @@ class MethodSpec:
     station_wrapper: StationWrapper | None = None
     batchable: bool = False
     space: Space = field(default_factory=dict)
+    image_only: str | None = None
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)

@@ -92,5 +92,6 @@ register(
         ),
         check_config=check_style_config,
         space={"styles_per_client": Int(1, 3), "alpha": Uniform(0.2, 1.0)},  # CCST's K, AdaIN α
+        image_only="transfers image styles (channel statistics of convolutional feature maps)",
     )
 )

@@ -64,5 +64,6 @@ register(
         description="FedBN: BatchNorm layers (affine + statistics) stay local, the rest is "
         "FedAvg'd (Li et al., ICLR 2021)",
         check_config=model_requirement("fedbn", needs_batchnorm),
+        image_only="keeps BatchNorm layers local, which text models do not have",
     )
 )

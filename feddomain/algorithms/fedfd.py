@@ -345,5 +345,6 @@ register(
         model_hook=fedfd_model,
         check_config=check("fedfd"),
         space=FEDFD_SPACE,
+        image_only="diversifies BatchNorm statistics, which text models do not have",
     )
 )

@@ -158,5 +158,6 @@ register(
         model_hook=fedfd_a_model,
         check_config=check("fedfd_a"),
         space={**FEDFD_SPACE, "adapter_lr_mult": LogUniform(1.0, 100.0)},  # fedfda.md §4 F6
+        image_only="adapts BatchNorm statistics, which text models do not have",
     )
 )

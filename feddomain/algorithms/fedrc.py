@@ -204,6 +204,7 @@ register(
         "Gaussians, and both tiers weigh models by n·exp(−Bhattacharyya distance to the "
         "barycentre/τ) (Kou et al., IROS 2024)",
         space={"tau": LogUniform(0.1, 10.0)},  # x/10 .. x10 around HFedATM's code's τ = 1
+        image_only="summarises each client's data as a Gaussian over its pixels' channels",
         station_wrapper=station_layer,
     )
 )

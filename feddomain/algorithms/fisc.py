@@ -157,5 +157,6 @@ register(
             "lambda_reg": LogUniform(0.02, 2.0),
             "margin": LogUniform(0.03, 2.0),  # 2: the largest distance of unit vectors
         },
+        image_only="transfers image styles (channel statistics of convolutional feature maps)",
     )
 )

@@ -42,6 +42,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.registry import register
 from feddomain.algorithms.space import LogUniform, Space, Uniform
+from feddomain.config import text_dataset
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -759,11 +760,29 @@ _VARIANTS: list[tuple[str, type[HFedFHparams], str]] = [
 # {0.75, 0.85, 0.95}; α_ema only where the EMA runs
 HFEDF_SPACE: Space = {"lr_s": LogUniform(1e-3, 1e-1), "wd_s": LogUniform(1e-5, 1e-3)}
 EMA_SPACE: Space = {"ema_alpha": Uniform(0.75, 0.95)}
+AUTOENCODER = "trains a convolutional autoencoder on images for its client embeddings"
+
+
+def check_config(cfg: Any, hp: HFedFHparams) -> None:
+    """Autoencoder embeddings encode images: refused on a text dataset, naming the key."""
+    text = text_dataset(cfg)
+    if text and hp.embedding == "autoencoder":
+        raise ConfigError(
+            f"invalid configuration: 'algorithm.embedding' = 'autoencoder' {AUTOENCODER}; "
+            f"dataset {text!r} is text"
+        )
+
 
 for _name, _hparams, _description in _VARIANTS:
-    _space = {**HFEDF_SPACE, **(EMA_SPACE if _hparams().ema else {})}
     register(
         MethodSpec(
-            _name, HFedFServer, HFedFClient, _hparams, description=_description, space=_space
+            _name,
+            HFedFServer,
+            HFedFClient,
+            _hparams,
+            description=_description,
+            check_config=check_config,
+            image_only=AUTOENCODER if _hparams is AeEmbedHparams else None,
+            space={**HFEDF_SPACE, **(EMA_SPACE if _hparams().ema else {})},
         )
     )

@@ -189,5 +189,6 @@ register(
         model_hook=insert_mixstyle,
         check_config=model_requirement("mixstyle", stage_problem),
         space={"p": Uniform(0.1, 0.9), "alpha": LogUniform(0.01, 1.0)},  # MixStyle: 0.5, 0.1
+        image_only="mixes the channel statistics of convolutional feature maps",
     )
 )

@@ -66,5 +66,6 @@ register(
         description="SiloBN: BatchNorm statistics stay local, BatchNorm affine and the rest "
         "FedAvg'd (Andreux et al., MICCAI DART 2020)",
         check_config=model_requirement("silobn", needs_batchnorm_statistics),
+        image_only="keeps BatchNorm statistics local, which text models do not have",
     )
 )

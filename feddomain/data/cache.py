@@ -1,15 +1,17 @@
-"""Decode-once image cache: one raw uint8 file per (dataset, resolution, data folder).
+"""Decode-once cache: one raw array file per (dataset, resolution, data folder).
 
 Decoding JPEG/PNG files dominates the cost of loading an image dataset, so a folder is decoded
 once and its pixels are stored as a flat uint8 file that later runs memory-map instead of decode.
-An entry is two files in the cache folder:
+Text datasets use the same entries for their token ids (int32 rows, ``resolution`` = the token
+length, the tokenizer in the key's ``extra``). An entry is two files in the cache folder:
 
-- ``<stem>.u8``: the images, C-contiguous uint8 ``[rows, *item_shape]``, no header;
+- ``<stem>.u8``: the rows, C-contiguous ``[rows, *item_shape]`` of the entry's dtype, no header;
 - ``<stem>.json``: shape, dtype, byte count, the content key and the files skipped as unreadable.
 
-The content key is a sha256 over the dataset name, the resolution, the domain and class names and
-every source file's (relative path, size, mtime_ns), so adding, removing or replacing one image
-gives a new key and the entry is rebuilt. Both files are written atomically (temporary file,
+The content key is a sha256 over the dataset name, the resolution, the domain and class names,
+anything else the rows depend on (``extra``: a tokenizer's fingerprint) and every source file's
+(relative path, size, mtime_ns), so adding, removing or replacing one file gives a new key and
+the entry is rebuilt. Both files are written atomically (temporary file,
 fsync, ``os.replace``), the metadata last; a reader trusts an entry only if its metadata matches
 the expected key and shape and the image file has exactly the expected byte count.
 """
@@ -50,6 +52,7 @@ def content_key(
     domains: Sequence[str],
     classes: Sequence[str],
     files: Iterable[tuple[str, int, int]],
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """sha256 hex digest identifying the pixels of a decoded folder.
 
@@ -63,6 +66,7 @@ def content_key(
         "resolution": resolution,
         "domains": list(domains),
         "classes": list(classes),
+        **({"extra": extra} if extra else {}),
     }
     h.update(json.dumps(header, sort_keys=True).encode())
     for path, size, mtime_ns in files:
@@ -79,7 +83,12 @@ class CacheEntry:
 
     @classmethod
     def locate(
-        cls, cache_dir: str | os.PathLike[str], name: str, resolution: int, source: Path
+        cls,
+        cache_dir: str | os.PathLike[str],
+        name: str,
+        resolution: int,
+        source: Path,
+        unit: str = "px",
     ) -> CacheEntry:
         """Entry for ``name`` at ``resolution`` decoded from the folder ``source``.
 
@@ -88,7 +97,7 @@ class CacheEntry:
         changed folder reuses -- and replaces -- its one entry instead of piling up stale ones.
         """
         where = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:12]
-        stem = f"{name}-{resolution}px-{where}"
+        stem = f"{name}-{resolution}{unit}-{where}"
         base = Path(cache_dir).expanduser()
         return cls(images=base / f"{stem}.u8", meta=base / f"{stem}.json")
 
@@ -97,12 +106,16 @@ class CacheEntry:
 class CachedImages:
     """A cache hit: images backed by the memory-mapped file, plus the files skipped at build."""
 
-    images: torch.Tensor  # uint8 [rows, *item_shape]
+    images: torch.Tensor  # [rows, *item_shape] of the entry's dtype (uint8 pixels, int32 tokens)
     skipped: dict[str, str]  # relative path -> why it could not be decoded
 
 
 def read(
-    entry: CacheEntry, key: str, n_sources: int, item_shape: Sequence[int]
+    entry: CacheEntry,
+    key: str,
+    n_sources: int,
+    item_shape: Sequence[int],
+    dtype: np.dtype | type = np.uint8,
 ) -> CachedImages | None:
     """The cached images if ``entry`` is complete and was built for ``key``, else None.
 
@@ -121,7 +134,8 @@ def read(
     if not isinstance(meta, dict) or meta.get("key") != key:
         log.warning("cache entry %s is stale (its image files changed); rebuilding", entry.meta)
         return None
-    problem = _meta_problem(meta, n_sources, tuple(item_shape))
+    dtype = np.dtype(dtype)
+    problem = _meta_problem(meta, n_sources, tuple(item_shape), dtype)
     if problem is None:
         size = entry.images.stat().st_size if entry.images.exists() else None
         if size != meta["nbytes"]:
@@ -132,20 +146,22 @@ def read(
         )
         return None
     shape = tuple(meta["shape"])
-    array = np.memmap(entry.images, dtype=np.uint8, mode="c", shape=shape)
+    array = np.memmap(entry.images, dtype=dtype, mode="c", shape=shape)
     return CachedImages(images=torch.from_numpy(array), skipped=dict(meta["skipped"]))
 
 
-def _meta_problem(meta: dict[str, Any], n_sources: int, item_shape: tuple[int, ...]) -> str | None:
+def _meta_problem(
+    meta: dict[str, Any], n_sources: int, item_shape: tuple[int, ...], dtype: np.dtype
+) -> str | None:
     """Why ``meta`` (already matching the key) cannot describe a valid entry, or None."""
     try:
         shape = tuple(int(s) for s in meta["shape"])
         skipped = meta["skipped"]
-        if meta["format"] != FORMAT_VERSION or meta["dtype"] != "uint8":
+        if meta["format"] != FORMAT_VERSION or meta["dtype"] != dtype.name:
             return f"format {meta['format']} / dtype {meta['dtype']}"
         if shape[1:] != item_shape or shape[0] != n_sources - len(skipped) or shape[0] < 1:
             return f"shape {shape} for {n_sources} files with {len(skipped)} skipped"
-        if meta["nbytes"] != int(np.prod(shape)):
+        if meta["nbytes"] != int(np.prod(shape)) * dtype.itemsize:
             return f"nbytes {meta['nbytes']} for shape {shape}"
     except (KeyError, TypeError, ValueError) as exc:
         return f"malformed metadata: {exc!r}"
@@ -159,9 +175,12 @@ class CacheWriter:
     temporary file and leaves any previous entry untouched.
     """
 
-    def __init__(self, entry: CacheEntry, item_shape: Sequence[int]) -> None:
+    def __init__(
+        self, entry: CacheEntry, item_shape: Sequence[int], dtype: np.dtype | type = np.uint8
+    ) -> None:
         self.entry = entry
         self.item_shape = tuple(item_shape)
+        self.dtype = np.dtype(dtype)
         self.rows = 0
         self._file: Any = None
         self._tmp: Path | None = None
@@ -177,10 +196,10 @@ class CacheWriter:
         return self
 
     def append(self, rows: np.ndarray) -> None:
-        """Write ``rows`` (uint8 [k, *item_shape]) after the rows written so far."""
-        if rows.dtype != np.uint8 or rows.shape[1:] != self.item_shape:
+        """Write ``rows`` ([k, *item_shape] of the entry's dtype) after the rows written so far."""
+        if rows.dtype != self.dtype or rows.shape[1:] != self.item_shape:
             raise ValueError(
-                f"expected uint8 [k, *{self.item_shape}], got {rows.dtype} {rows.shape}"
+                f"expected {self.dtype} [k, *{self.item_shape}], got {rows.dtype} {rows.shape}"
             )
         try:
             self._file.write(np.ascontiguousarray(rows).data)
@@ -193,9 +212,9 @@ class CacheWriter:
         meta = {
             "format": FORMAT_VERSION,
             "key": key,
-            "dtype": "uint8",
+            "dtype": self.dtype.name,
             "shape": [self.rows, *self.item_shape],
-            "nbytes": self.rows * int(np.prod(self.item_shape)),
+            "nbytes": self.rows * int(np.prod(self.item_shape)) * self.dtype.itemsize,
             "n_sources": n_sources,
             "skipped": dict(sorted(skipped.items())),
         }

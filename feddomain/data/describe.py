@@ -23,6 +23,7 @@ from feddomain.data.sources import (
     scan_image_folder,
     split_list_problems,
 )
+from feddomain.errors import DataError
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,6 +104,11 @@ def describe(
     built at ``resolution`` and described from the result.
     """
     spec = get_spec(name)
+    if spec.kind != "image":
+        raise DataError(
+            f"`data describe` reads image folders; {spec.name} is a {spec.kind} dataset, whose "
+            "problems are reported when it loads (`feddomain run CONFIG --dry-run`)"
+        )
     if spec.builtin is not None:
         data = load_dataset(spec.name, root, resolution)
         side = (data.resolution, data.resolution)

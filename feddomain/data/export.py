@@ -21,6 +21,7 @@ from PIL import Image
 from feddomain.config import ExperimentConfig, validate_config
 from feddomain.data.dataset import DomainDataset
 from feddomain.data.federated import client_indices, experiment_splits, load_experiment_dataset
+from feddomain.data.sources import get_spec
 from feddomain.errors import ConfigError
 
 
@@ -38,6 +39,11 @@ def export_sites(cfg: ExperimentConfig, out: Path) -> SiteExport:
     """Write the first split of ``cfg`` (choose another with ``split.targets``) to ``out``."""
     if cfg.partition.name == "sites":
         raise ConfigError("this config's data already lives in site folders")
+    if get_spec(cfg.dataset.name).kind != "image":
+        raise ConfigError(
+            f"site folders hold images per domain; dataset {cfg.dataset.name!r} is "
+            f"{get_spec(cfg.dataset.name).kind} (text, or WILDS' pooled official splits)"
+        )
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export folder {out} already holds files; choose a new one")
     dataset = load_experiment_dataset(cfg)

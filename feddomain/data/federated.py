@@ -36,13 +36,17 @@ from feddomain.data.splits import (
     leave_one_domain_out,
     parse_scheme,
     pilot_split,
+    share_like,
 )
+from feddomain.data.text import load_text_dataset
 from feddomain.errors import ConfigError, DataError
 from feddomain.federation.data import UNLABELED, ClientData, Transform
 from feddomain.federation.topology import FEW_SHOT, INIT, PILOT_SPLIT, VAL_SPLIT, derive_seed
-from feddomain.models import build_model, input_normalization
+from feddomain.models import build_model, input_normalization, model_tokenizer
 from feddomain.models.frozen import FrozenFeatures, PixelVariant
 from feddomain.models.prefix import split_at
+
+WILDS = "wilds"  # split.scheme of a WILDS dataset's official splits
 
 
 @dataclass
@@ -118,6 +122,7 @@ def check_data_config(cfg: ExperimentConfig) -> None:
         spec = get_spec(cfg.dataset.name)
     except DataError:  # named by load_dataset, before it reads anything; code may build its own
         return
+    _check_kind(cfg, spec.name, spec.kind)
     # the embedded digits' domains are known; a plug-in's generated source declares its own
     domains = EMBEDDED_DOMAINS if spec.name == "digits_embedded" else spec.domains
     if domains is None or cfg.partition.name == "sites":
@@ -141,16 +146,37 @@ def check_data_config(cfg: ExperimentConfig) -> None:
         check_domain_counts(cfg.partition.n_clients, cfg.partition.d, len(split.train))
 
 
+def _check_kind(cfg: ExperimentConfig, name: str, kind: str) -> None:
+    """The WILDS scheme goes with WILDS datasets only (and they with it); text datasets are not
+    (yet) loaded from per-site folders."""
+    if (cfg.split.scheme == WILDS) != (kind == "wilds"):
+        raise ConfigError(
+            f"invalid configuration: 'split.scheme' = {cfg.split.scheme!r} with dataset {name!r}: "
+            "WILDS datasets (IWildCam) use their official splits, `split.scheme: wilds`, and "
+            "only they have them"
+        )
+    if kind == "text" and cfg.partition.name == "sites":
+        raise ConfigError(
+            f"invalid configuration: 'partition.name' = 'sites' with the text dataset {name!r}: "
+            "site folders hold images only"
+        )
+
+
 def load_experiment_dataset(cfg: ExperimentConfig) -> DomainDataset:
     d = cfg.dataset
     root = Path(d.root).expanduser() if d.root else None
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else None
+    if get_spec(d.name).is_text:
+        tokenizer = model_tokenizer(cfg.model.name, cfg.model.options)
+        return load_text_dataset(d.name, root, tokenizer, d.max_length, cache)
     return load_dataset(d.name, root, d.resolution, cache, skip_corrupt=d.skip_corrupt)
 
 
 def experiment_splits(cfg: ExperimentConfig, dataset: DomainDataset) -> list[DomainSplit]:
     """The domain splits a config asks for: one per target under leave-one-domain-out."""
     scheme = cfg.split.scheme
+    if scheme == WILDS:
+        return [wilds_split(dataset)]
     if scheme == "lodo":
         splits = leave_one_domain_out(dataset.domains)
         if cfg.split.targets is None:
@@ -170,7 +196,7 @@ def build_federated_data(
 ) -> FederatedData:
     inputs, train_tf, eval_tf = _model_inputs(cfg, dataset)
     train_parts, val_parts = client_indices(cfg, dataset, split)
-    target_sets = {d: dataset.indices_of(d) for d in split.test}
+    target_sets, ood_val_sets = _held_out(cfg, dataset, split)
     if cfg.split.few_shot:
         train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
     target_sets, pilot_sets = _set_pilots_aside(cfg, target_sets)
@@ -191,7 +217,7 @@ def build_federated_data(
         val=[subset(p, eval_tf) for p in val_parts],
         client_domain_counts=counts,
         targets={d: subset(i, eval_tf) for d, i in target_sets.items()},
-        ood_val={d: subset(dataset.indices_of(d), eval_tf) for d in split.val},
+        ood_val={d: subset(i, eval_tf) for d, i in ood_val_sets.items()},
         stations=_stations(cfg, len(train_parts)),
         pilots={d: _unlabeled(inputs, i, eval_tf) for d, i in pilot_sets.items()},
     )
@@ -345,6 +371,8 @@ def _model_inputs(
     """What clients feed the model: uint8 images with train/eval transforms, or, in frozen-backbone
     mode, the backbone's cached float features of every image (no transform)."""
     augment = AugmentConfig(**cfg.train.augment.model_dump())
+    if dataset.is_text and not cfg.model.frozen:
+        return dataset.images, None, None  # token ids go to the model as they are
     if not cfg.model.frozen and cfg.model.frozen_prefix is None:
         return (
             dataset.images,
@@ -472,6 +500,8 @@ def client_indices(
         "lambda": {"lam": p.lam},
         "dirichlet": {"alpha": p.alpha},
     }
+    if cfg.split.scheme == WILDS:
+        return _wilds_indices(cfg, dataset, split, params[p.name])
     if cfg.split.official_lists:
         # Official lists fix train vs validation per domain; both are partitioned with the same
         # seeded plan, so each client's validation share comes from its own domain parts.
@@ -488,6 +518,57 @@ def client_indices(
         for cid, part in enumerate(parts)
     ]
     return [tr for tr, _ in pairs], [va for _, va in pairs]
+
+
+def wilds_split(dataset: DomainDataset) -> DomainSplit:
+    """WILDS' official roles: the locations with ``train`` images are the sources; the pooled
+    ``val`` and ``test`` sets are held out (as WILDS scores them: over all their images)."""
+    if not dataset.official_splits:
+        raise ConfigError(
+            f"split.scheme 'wilds' needs a WILDS dataset with official splits; {dataset.name} "
+            "has none"
+        )
+    splits = np.asarray(dataset.official_splits)
+    used = np.unique(dataset.domain_ids.numpy()[splits == "train"])
+    return DomainSplit(
+        train=tuple(dataset.domains[d] for d in used), val=("val",), test=("test",), label=WILDS
+    )
+
+
+def _held_out(
+    cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Indices of the (test, validation) sets held out from training: one per target and
+    validation domain, or WILDS' pooled official ``test`` and ``val`` sets."""
+    if cfg.split.scheme == WILDS:
+        splits = np.asarray(dataset.official_splits)
+        return (
+            {"test": np.flatnonzero(splits == "test")},
+            {"val": np.flatnonzero(splits == "val")},
+        )
+    return (
+        {d: dataset.indices_of(d) for d in split.test},
+        {d: dataset.indices_of(d) for d in split.val},
+    )
+
+
+def _wilds_indices(
+    cfg: ExperimentConfig, dataset: DomainDataset, split: DomainSplit, params: dict[str, float]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """WILDS: each source location's ``train`` images are partitioned over clients (at lambda
+    = 0 with as many clients as locations, one location each); its ``id_val`` images follow
+    each client's share of that location (``share_like``); ``id_test`` is not used."""
+    p = cfg.partition
+    splits, domain_ids = np.asarray(dataset.official_splits), dataset.domain_ids.numpy()
+    sources = [dataset.domain_index(d) for d in split.train]
+    train_groups = [np.flatnonzero((domain_ids == d) & (splits == "train")) for d in sources]
+    val_groups = [np.flatnonzero((domain_ids == d) & (splits == "id_val")) for d in sources]
+    train = partition(p.name, train_groups, p.n_clients, seed=cfg.seed, **params)
+    group_of = np.full(len(dataset), -1, dtype=np.int64)
+    for j, group in enumerate(train_groups):
+        group_of[group] = j
+    val = share_like(val_groups, train, group_of, seed=derive_seed(cfg.seed, VAL_SPLIT))
+    return train, val
 
 
 def _add_few_shot(

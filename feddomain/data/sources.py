@@ -1,5 +1,9 @@
 """Dataset registry and the image-folder loader (DomainBed layout).
 
+Text datasets (``kind="text"``: a ``<domain>/<class>/<file>.txt`` tree or the Blitzer review
+files) load through ``data/text.py`` and the WILDS layout (``kind="wilds"``: IWildCam) through
+``data/wilds.py``; both share this registry, the scanning below and the cache.
+
 A folder dataset lives at ``<root>/<folder>/<domain>/<class>/<image>``. Loading scans the folder
 (names, sizes, mtimes: no decoding), checks it against the dataset's preset, then either maps the
 decoded pixels from the cache or decodes every image once (RGB, resized to R x R with Pillow's
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
 )
+TEXT_SUFFIXES = frozenset({".txt"})
+KINDS = ("image", "text", "wilds")
 AUX_FOLDERS = frozenset({"splits"})  # folders beside the domains that are not domains
 DECODE_CHUNK = 128  # images per task sent to a decode worker
 
@@ -45,7 +51,9 @@ class DatasetSpec:
     ``split_lists`` is a path pattern (relative to the dataset folder, with ``{domain}`` and
     ``{split}``) of official per-domain lists, one ``<domain>/<class>/<file> <label>`` per line.
     ``builtin`` marks a generated source: ``builtin(resolution, seed, cache_dir)`` replaces the
-    folder.
+    folder. ``kind``: ``image`` (a folder of images), ``text`` (token ids from text files; the
+    ``reader`` names the layout: ``folder`` of ``.txt`` files or Blitzer ``reviews``) or
+    ``wilds`` (a WILDS ``metadata.csv`` with official splits; images).
     """
 
     name: str
@@ -56,6 +64,17 @@ class DatasetSpec:
     splits: tuple[str, ...] = ()
     split_label_base: int = 1
     builtin: Callable[[int, int, Path], DomainDataset] | None = None
+    kind: str = "image"
+    reader: str = "folder"
+
+    @property
+    def is_text(self) -> bool:
+        return self.kind == "text"
+
+    @property
+    def suffixes(self) -> frozenset[str]:
+        """The file suffixes a class folder's samples have."""
+        return TEXT_SUFFIXES if self.is_text else IMAGE_SUFFIXES
 
 
 def _load_embedded_digits(resolution: int, seed: int, cache_dir: Path) -> DomainDataset:
@@ -173,6 +192,23 @@ DATASETS: dict[str, DatasetSpec] = {
         ),
         DatasetSpec("folder", None, None, None),
         DatasetSpec("digits_embedded", None, None, None, builtin=_load_embedded_digits),
+        DatasetSpec(  # Blitzer et al. 2007, balanced: unprocessed.tar.gz's sorted_data_acl
+            "AmazonReviews",
+            "sorted_data_acl",
+            ("books", "dvd", "electronics", "kitchen"),
+            ("negative", "positive"),
+            kind="text",
+            reader="reviews",
+        ),
+        DatasetSpec("text_folder", None, None, None, kind="text"),
+        DatasetSpec(  # WILDS 2.0: metadata.csv, images under train/, each location a domain
+            "IWildCam",
+            "iwildcam_v2.0",
+            None,
+            None,
+            splits=("train", "val", "test", "id_val", "id_test"),
+            kind="wilds",
+        ),
     )
 }
 
@@ -279,9 +315,10 @@ def scan_image_folder(root: PathLike, spec: DatasetSpec, *, strict: bool = True)
             folder = dataset_dir / domain / cls
             if not folder.is_dir():
                 continue  # already reported by _classes
-            found = _list_images(folder, f"{domain}/{cls}", ignored)
+            found = _list_files(folder, f"{domain}/{cls}", spec.suffixes, ignored)
             if not found:
-                problems.append(f"empty class folder {folder}: no image files")
+                what = "text (.txt)" if spec.is_text else "image"
+                problems.append(f"empty class folder {folder}: no {what} files")
             rows.extend((rel, size, mtime, c_id, d_id) for rel, size, mtime in found)
     if strict and problems:
         listing = "\n  - ".join(problems)
@@ -365,12 +402,15 @@ def _classes(
     return classes
 
 
-def _list_images(folder: Path, prefix: str, ignored: list[str]) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime_ns) of the image files in one class folder, sorted by name."""
+def _list_files(
+    folder: Path, prefix: str, suffixes: frozenset[str], ignored: list[str]
+) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of the sample files (images, or ``.txt`` for text) in
+    one class folder, sorted by name."""
     found = []
     for entry in _entries(folder):
         rel = f"{prefix}/{entry.name}"
-        if entry.is_file() and os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES:
+        if entry.is_file() and os.path.splitext(entry.name)[1].lower() in suffixes:
             st = entry.stat()
             found.append((rel, st.st_size, st.st_mtime_ns))
         else:
@@ -397,6 +437,11 @@ def load_dataset(
     logged, and listed in ``DomainDataset.skipped``). ``seed`` only matters to generated sources.
     """
     spec = get_spec(name)
+    if spec.is_text:
+        raise DataError(
+            f"dataset {spec.name} is text: load it with data.text.load_text_dataset and the "
+            "model's tokenizer"
+        )
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
         raise ConfigError(f"resolution must be a positive integer, got {resolution!r}")
     cache_dir = Path(cache_dir or cache.default_cache_dir())
@@ -407,8 +452,12 @@ def load_dataset(
             f"dataset {spec.name} needs a data root (the folder holding "
             f"{spec.folder or 'its domain folders'})"
         )
+    if spec.kind == "wilds":
+        from feddomain.data.wilds import load_wilds  # late: only WILDS datasets need it
+
+        return load_wilds(spec, root, resolution, cache_dir, skip_corrupt=skip_corrupt)
     index = scan_image_folder(root, spec)
-    return _load_folder(spec, index, resolution, cache_dir, skip_corrupt)
+    return load_indexed_images(spec, index, resolution, cache_dir, skip_corrupt)
 
 
 def site_classes(roots: Sequence[PathLike]) -> tuple[str, ...]:
@@ -444,14 +493,16 @@ def load_site(
     index = scan_image_folder(site, spec, strict=False)
     if not len(index):
         raise DataError(f"site folder {site} holds no images (expected <domain>/<class>/<image>)")
-    return _load_folder(
+    return load_indexed_images(
         spec, index, resolution, Path(cache_dir or cache.default_cache_dir()), skip_corrupt
     )
 
 
-def _load_folder(
+def load_indexed_images(
     spec: DatasetSpec, index: FolderIndex, resolution: int, cache_dir: Path, skip_corrupt: bool
 ) -> DomainDataset:
+    """The images an index lists, from the cache or decoded once into it (folder datasets, site
+    folders, and WILDS' metadata-listed images alike)."""
     item_shape = (3, resolution, resolution)
     key = cache.content_key(spec.name, resolution, index.domains, index.classes, index.files())
     entry = cache.CacheEntry.locate(cache_dir, spec.name, resolution, index.dataset_dir)

@@ -20,11 +20,14 @@ from feddomain.errors import ConfigError, DataError
 
 @dataclass(frozen=True)
 class DomainSplit:
-    """Domain names by role. ``val`` is empty in leave-one-domain-out."""
+    """Domain names by role. ``val`` is empty in leave-one-domain-out. ``label`` names a split
+    that is not built from domain roles alone (``wilds``: the official splits, whose ``val`` and
+    ``test`` are the pooled official sets, not domains)."""
 
     train: tuple[str, ...]
     val: tuple[str, ...]
     test: tuple[str, ...]
+    label: str = ""
 
     def __post_init__(self) -> None:
         if not self.train or not self.test:
@@ -41,6 +44,8 @@ class DomainSplit:
         Initials are used only when they are distinct within the split; otherwise the full names
         are joined with ``+``.
         """
+        if self.label:
+            return self.label
         if not self.val and len(self.test) == 1:
             return f"lodo-{self.test[0]}"
         roles = (self.train, self.val, self.test)
@@ -143,6 +148,33 @@ def pilot_split(
         )
     shuffled = stream(seed, "pilot", domain).permutation(indices)
     return np.sort(shuffled[n_pilot:]), np.sort(shuffled[:n_pilot])
+
+
+def share_like(
+    groups: Sequence[np.ndarray], parts: Sequence[np.ndarray], group_of: np.ndarray, *, seed: int
+) -> list[np.ndarray]:
+    """Divide each group's indices among clients in proportion to how many samples of that group
+    each client's ``parts`` entry holds (``group_of[i]``: the group of sample i).
+
+    WILDS' in-domain validation (``id_val``) follows each client's training mix this way: at
+    lambda = 0 a client's validation is its own location's. Shares are rounded by largest
+    remainder (ties: the lower client), each group is shuffled with its own seeded stream and
+    cut into consecutive blocks; a group no client trains on is left out. Sorted arrays.
+    """
+    out: list[list[np.ndarray]] = [[] for _ in parts]
+    for j, group in enumerate(groups):
+        group = _as_index_set(group, f"group {j}")
+        weights = np.array([np.count_nonzero(group_of[p] == j) for p in parts], dtype=np.float64)
+        if not group.size or not weights.sum():
+            continue
+        quota = weights / weights.sum() * group.size
+        sizes = np.floor(quota).astype(np.int64)
+        order = np.argsort(-(quota - sizes), kind="stable")
+        sizes[order[: group.size - sizes.sum()]] += 1
+        shuffled = stream(seed, "share_like", f"group {j}").permutation(group)
+        for c, block in enumerate(np.split(shuffled, np.cumsum(sizes)[:-1])):
+            out[c].append(block)
+    return [np.sort(np.concatenate(b)) if b else np.zeros(0, np.int64) for b in out]
 
 
 def _aligned_labels(indices: np.ndarray, labels: Sequence[int] | np.ndarray) -> np.ndarray:

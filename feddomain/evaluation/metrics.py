@@ -68,6 +68,24 @@ def accuracy(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((scores.argmax(dim=1) == labels).double().mean())
 
 
+def macro_f1(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Unweighted mean over the classes present in ``labels`` of each class's F1 score,
+    2·TP / (2·TP + FP + FN) of argmax predictions (0 for a class never predicted correctly).
+
+    Averaging over the true classes only is WILDS' macro-F1 (sklearn's ``f1_score(average=
+    "macro", labels=unique(y_true))``), IWildCam's headline metric beside accuracy.
+    """
+    _check_labels(scores, labels)
+    n_classes = scores.shape[1]
+    pred = scores.argmax(dim=1)
+    tp = torch.bincount(labels[pred == labels], minlength=n_classes).double()
+    predicted = torch.bincount(pred, minlength=n_classes).double()
+    actual = torch.bincount(labels, minlength=n_classes).double()
+    present = actual > 0
+    f1 = 2 * tp[present] / (predicted[present] + actual[present])
+    return float(f1.mean())
+
+
 @dataclass(frozen=True)
 class Reliability:
     """Per-bin count, mean confidence and accuracy; empty bins report 0.0 (read with count)."""
@@ -181,6 +199,7 @@ class EvalResult:
     brier: float
     reliability: Reliability
     conf_hist: dict[str, list[int]]
+    macro_f1: float
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -199,4 +218,5 @@ def evaluate_probs(
         brier=brier(probs, labels),
         reliability=rel,
         conf_hist=confidence_histogram(probs, labels, hist_bins),
+        macro_f1=macro_f1(probs, labels),
     )

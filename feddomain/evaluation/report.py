@@ -52,8 +52,8 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
 METRICS = ("ood_acc", "id_acc", "ood_ece")
 # tables a report adds on request (`--metrics`), from the same selected round of each run
 OPTIONAL_METRICS = (
-    "worst_domain_acc", "ood_nll", "ood_brier", "worst_client_acc", "client_acc_std",
-    "client_loss_var", "grad_cos_pairwise", "embedding_l2",
+    "worst_domain_acc", "ood_macro_f1", "ood_nll", "ood_brier", "worst_client_acc",
+    "client_acc_std", "client_loss_var", "grad_cos_pairwise", "embedding_l2",
 )  # fmt: skip
 # optional metrics that metrics.jsonl holds nested: name -> (field, key)
 NESTED_METRICS = {
@@ -67,6 +67,7 @@ METRIC_TITLES = {
     "id_acc": "id accuracy (%)",
     "ood_ece": "ood ECE (%)",
     "worst_domain_acc": "worst target-domain accuracy (%)",
+    "ood_macro_f1": "ood macro-F1 (%)",
     "ood_nll": "ood NLL (nats)",
     "ood_brier": "ood Brier score",
     "worst_client_acc": "worst client's id accuracy (%)",
@@ -76,7 +77,15 @@ METRIC_TITLES = {
     "embedding_l2": "mean pairwise distance of client embeddings",
 }
 PERCENT = frozenset(
-    {"ood_acc", "id_acc", "ood_ece", "worst_domain_acc", "worst_client_acc", "client_acc_std"}
+    {
+        "ood_acc",
+        "id_acc",
+        "ood_ece",
+        "worst_domain_acc",
+        "worst_client_acc",
+        "client_acc_std",
+        "ood_macro_f1",
+    }
 )
 CSV_COLUMNS = (
     "kind", "algorithm", "dataset", "target", "selection", "seed", "n_seeds", "selected_round",

@@ -669,7 +669,7 @@ class Simulation:
         cfg = self.cfg
         chosen = select(self.records, cfg.eval.selection)
         final = self.records[-1]
-        headline = ("id_acc", "ood_acc", "ood_ece", "ood_nll", "ood_brier")
+        headline = ("id_acc", "ood_acc", "ood_macro_f1", "ood_ece", "ood_nll", "ood_brier")
         out: dict[str, Any] = {
             "algorithm": cfg.algorithm.label or cfg.algorithm.name,
             "method": cfg.algorithm.name,
@@ -824,6 +824,7 @@ def _summarise_eval(
         "ood_ece": _mean_over(models, "ece"),
         "ood_nll": _mean_over(models, "nll"),
         "ood_brier": _mean_over(models, "brier"),
+        "ood_macro_f1": _mean_over(models, "macro_f1"),
         "per_domain": per_domain,
         "worst_domain": worst_name,
         "worst_domain_acc": worst_acc,

@@ -15,7 +15,8 @@ style). A ``PermutationSpec`` lists, per architecture:
 Convention (hfedatm.md §3.0): a permutation ``perm`` of a group aligns a model to a reference
 by ``aligned = target[perm]``; ``perm[a]`` is the target's channel matched to reference channel a.
 
-Specs exist for LeNet-5, VGG-11, ResNet-18, the hFedF CNN and small_cnn (BatchNorm or no norm).
+Specs exist for LeNet-5, VGG-11, ResNet-18, the hFedF CNN and small_cnn (BatchNorm or no norm),
+and, on request, for the feed-forward neurons of transformer blocks (``transformer_ffn_spec``).
 A model with convolutions and no spec is refused by name (never silently misaligned); a model
 without convolutions (a head on cached features) has an empty spec: nothing to align.
 """
@@ -284,6 +285,33 @@ def resnet_spec(model: nn.Module) -> PermutationSpec:
     size = groups[order.index(stream)].size
     consumers.append(_dense(model, _head(model), [stream], size))
     return PermutationSpec("resnet18", tuple(groups), tuple(consumers))
+
+
+def transformer_ffn_spec(model: nn.Module) -> PermutationSpec:
+    """Each transformer block's feed-forward hidden neurons as a group (HFedATM's optional
+    ``fot_transformer_ffn``, not in the paper): the rows and bias of ``<block>.intermediate.dense``
+    are its filters, the columns of ``<block>.output.dense`` (and its Gram) read them. The
+    residual stream is never permuted, so every block aligns on its own and the model's function
+    is unchanged. BERT, RoBERTa and DeBERTa name their blocks' layers so."""
+    groups, consumers = [], []
+    for name, module in model.named_modules():
+        if not (name.endswith(".intermediate.dense") and isinstance(module, nn.Linear)):
+            continue
+        block = name.removesuffix(".intermediate.dense")
+        reader = model.get_submodule(f"{block}.output.dense")
+        if not isinstance(reader, nn.Linear) or reader.in_features != module.out_features:
+            raise ConfigError(f"permutation spec: {block}.output.dense does not read {name}")
+        bias = (f"{name}.bias",) if module.bias is not None else ()
+        groups.append(Group(f"{block}.ffn", module.out_features, (f"{name}.weight",), bias))
+        reads = f"{block}.output.dense"
+        consumers.append(Consumer(f"{reads}.weight", (groups[-1].name,), 1, reads, dense=True))
+    if not groups:
+        arch = getattr(model, "arch", "") or type(model).__name__
+        raise ConfigError(
+            f"hfedatm: fot_transformer_ffn needs transformer blocks (<block>.intermediate.dense "
+            f"and <block>.output.dense); model {arch!r} has none"
+        )
+    return PermutationSpec(f"{getattr(model, 'arch', '')}-ffn", tuple(groups), tuple(consumers))
 
 
 SPECS: dict[str, Callable[[nn.Module], PermutationSpec]] = {

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from feddomain.data.text import Tokenizer, builtin_tokenizer
 from feddomain.errors import ConfigError
 from feddomain.models.base import FeatureClassifier
 from feddomain.models.efficientnet import INPUT_MEAN, INPUT_STD, efficientnet_lite0
@@ -22,6 +23,8 @@ from feddomain.models.hfedf_cnn import hfedf_cnn
 from feddomain.models.lenet import lenet5
 from feddomain.models.resnet import check_weights_path, resnet18, resnet50
 from feddomain.models.small_cnn import small_cnn
+from feddomain.models.text_cnn import text_cnn
+from feddomain.models.transformer import deberta, roberta, transformer
 from feddomain.models.vgg import vgg11
 
 Builder = Callable[..., FeatureClassifier]
@@ -35,7 +38,13 @@ MODELS: dict[str, Builder] = {
     "resnet50": resnet50,
     "efficientnet_lite0": efficientnet_lite0,
     "vgg11": vgg11,
+    "text_cnn": text_cnn,
+    "transformer": transformer,
+    "roberta": roberta,
+    "deberta": deberta,
 }
+# Models that read token ids (text datasets) rather than images.
+TEXT_MODELS = frozenset({"text_cnn", "transformer", "roberta", "deberta"})
 
 
 
@@ -108,6 +117,30 @@ def build_model(
     model = builder(num_classes, resolution=resolution, **options)
     model.arch = name  # what per-architecture tables (HFedATM's permutation specs) look up
     return model
+
+
+def is_text_model(name: str) -> bool:
+    """Whether model ``name`` reads token ids (text datasets) rather than images."""
+    _builder(name)
+    return name in TEXT_MODELS
+
+
+def model_tokenizer(name: str, options: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a text model's data is tokenised with: the built-in one ``text_cnn`` is
+    configured with, or a transformers checkpoint's own (local files only)."""
+    if not is_text_model(name):
+        raise ConfigError(
+            f"model {name!r} reads images, not text (text models: {sorted(TEXT_MODELS)})"
+        )
+    if name == "text_cnn":
+        defaults = model_options(name)
+        return builtin_tokenizer(
+            options.get("tokenizer", defaults["tokenizer"]),
+            options.get("vocab_size", defaults["vocab_size"]),
+        )
+    from feddomain.models.transformer import checkpoint_tokenizer
+
+    return checkpoint_tokenizer(name, options.get("path"))
 
 
 def input_normalization(name: str) -> Normalization | None:
@@ -188,6 +221,8 @@ __all__ = [
     "check_weights",
     "configured_skeleton",
     "input_normalization",
+    "is_text_model",
     "model_options",
     "model_skeleton",
+    "model_tokenizer",
 ]

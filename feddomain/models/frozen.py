@@ -56,13 +56,19 @@ def _featurizer(backbone: nn.Module) -> nn.Module:
     return getattr(backbone, "featurizer", backbone)
 
 
+def _is_tokens(inputs: Tensor) -> bool:
+    """Token ids of a text dataset (int32 [N, L]): fed to the featurizer as they are."""
+    return inputs.dtype == torch.int32 and inputs.ndim == 2
+
+
 def _check_inputs(
     images_u8: Tensor, batch_size: int, mean: Sequence[float], std: Sequence[float]
 ) -> None:
-    if images_u8.dtype != torch.uint8 or images_u8.ndim != 4 or images_u8.shape[1] != 3:
+    image = images_u8.dtype == torch.uint8 and images_u8.ndim == 4 and images_u8.shape[1] == 3
+    if not (image or _is_tokens(images_u8)):
         raise DataError(
             f"frozen features: images must be uint8 [N, 3, H, W], got {images_u8.dtype} "
-            f"{tuple(images_u8.shape)}"
+            f"{tuple(images_u8.shape)} (text: int32 token ids [N, L])"
         )
     if batch_size < 1:
         raise ConfigError(f"frozen features: batch_size={batch_size} must be >= 1")
@@ -92,7 +98,7 @@ class FrozenFeatures:
         bytes themselves are hashed, which costs about a second per 500 MB.
         """
         featurizer = _featurizer(backbone)
-        n, _, height, width = images_u8.shape
+        n, height, width = images_u8.shape[0], images_u8.shape[-2], images_u8.shape[-1]
         return {
             "format": _FORMAT,
             "model": f"{type(featurizer).__module__}.{type(featurizer).__qualname__}",
@@ -170,6 +176,10 @@ def _forward_all(
         # no_grad, not inference_mode: the features later feed a head trained with autograd.
         with torch.no_grad():
             for start in range(0, images_u8.shape[0], batch_size):
+                if _is_tokens(images_u8):
+                    ids = images_u8[start : start + batch_size].to(device)
+                    chunks.append(featurizer(ids).float().cpu())
+                    continue
                 x = images_u8[start : start + batch_size].to(device).float().div_(255.0)
                 if variant is not None:
                     x = variant.apply(x)
