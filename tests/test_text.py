@@ -186,7 +186,9 @@ def test_text_cnn_features_ignore_padding():
 
 # ----------------------------------------------------------------------- config checks
 
-IMAGE_ONLY = ("ccst", "fedbn", "fedfd", "fedfd_a", "fisc", "hfedf_ae_embed", "mixstyle", "silobn")
+IMAGE_ONLY = (
+    "ccst", "fedbn", "fedfd", "fedfd_a", "fedrc", "fisc", "hfedf_ae_embed", "mixstyle", "silobn",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("method", IMAGE_ONLY)
@@ -242,6 +244,7 @@ OVERRIDES = {
     **{n: FROZEN for n in TEXT_METHODS if n.startswith("fedvr")},  # FedVR: on frozen features
     "hfedatm": {"topology__stations": 3},
     "hfedavg": {"topology__stations": 3},
+    "mtgc": {"topology__stations": 3, "train__optimizer": "sgd", "train__momentum": 0.0},
 }
 
 
