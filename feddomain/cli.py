@@ -47,6 +47,20 @@ def _methods_epilog() -> str:
     return "methods (algorithm.name):\n" + "\n".join(lines)
 
 
+class _HelpWithMethods(argparse.Action):
+    """``run --help``: the help text with every registered method appended, listed only when
+    asked for, because listing them imports every method (POT, SciPy, torchvision: seconds),
+    which ``--version`` and the other commands' help need not wait for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.epilog = _methods_epilog()
+        parser.print_help()
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -82,6 +96,7 @@ EXAMPLES = """examples:
   feddomain run configs/demo.yaml algorithm=fedprox split.targets=sketch --out runs/prox
   feddomain run configs/demo.yaml --dry-run         # resolved config and partition, no training
   feddomain run --resume runs/prox                  # continue an interrupted run
+  feddomain run --resume runs/prox rounds=16        # extend a finished run to 16 rounds
   feddomain report runs/prox --out report/ --html   # tables (md, CSV, LaTeX), plots, HTML
 
 docs (in the repository): README.md; every config key and method hyper-parameter:
@@ -113,15 +128,23 @@ def _parser() -> argparse.ArgumentParser:
         help="run one experiment config (all its target splits)",
         description="Run one experiment config (all its target splits). Every config key: "
         "docs/config.md.",
-        epilog=_methods_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    run.add_argument(
+        "-h", "--help", action=_HelpWithMethods, help="show this help message and exit"
     )
     run.add_argument("config", type=Path, nargs="?", help="YAML config (optional with --resume)")
     run.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. rounds=50 algorithm.mu=0.01"
     )
     run.add_argument("--out", type=Path, help="new output directory (must not hold files)")
-    run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run")
+    run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue an interrupted run; with rounds=N (more rounds), extend a finished one",
+    )
     run.add_argument(
         "--quiet", action="store_true", help="no per-round progress; the result is still printed"
     )
@@ -257,18 +280,13 @@ def cmd_list(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- run
 def cmd_run(args: argparse.Namespace) -> None:
     if args.resume is not None:
+        from feddomain.resume import resumed_config
+
         out = args.resume
-        saved = out / "config.yaml"
-        if not saved.is_file():
-            raise FeddomainError(f"--resume {out}: no config.yaml there, so nothing to resume")
-        cfg = load_config(saved)
-        if args.config is not None:
-            wanted = load_config(args.config, args.overrides)
-            if wanted.to_dict() != cfg.to_dict():
-                raise FeddomainError(
-                    f"--resume {out}: {args.config} with these overrides differs from the saved "
-                    f"{saved}; resume with the saved config (omit CONFIG) or start a new --out"
-                )
+        config, overrides = args.config, args.overrides
+        if config is not None and "=" in str(config) and not config.exists():
+            config, overrides = None, [str(config), *overrides]  # `--resume DIR rounds=20`
+        cfg = resumed_config(out, config, overrides)
     elif args.dry_run:
         if args.config is None:
             raise FeddomainError("feddomain run --dry-run needs CONFIG")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -235,6 +236,9 @@ class CheckpointConfig(Section):
 
     every: int = Field(5, ge=0)
     """Checkpoint every this many rounds; 0: never (an interrupted run restarts)."""
+    keep_final: bool = True
+    """Keep a finished run's last state (`checkpoint.pt`), so that `feddomain run --resume DIR
+    rounds=N` can extend it to N rounds; false deletes it (disk-bound sweeps)."""
 
 
 class AlgorithmConfig(BaseModel):
@@ -352,7 +356,54 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
     for item in overrides or []:
         apply_override(raw, item)
-    return validate_config(raw, source=str(path) if path else "defaults")
+    source = str(path) if path else "defaults"
+    if overrides:
+        source += " and the command line"
+    try:
+        return validate_config(raw, source=source)
+    except ConfigError as err:
+        raise ConfigError(_blame_overrides(str(err), overrides or [])) from None
+
+
+def _blame_overrides(message: str, overrides: list[str]) -> str:
+    """``message`` with each line that quotes a key set on the command line marked with that
+    override, so a bad ``rounds=abc`` is not looked for in the YAML file the header names."""
+    keys = {item.partition("=")[0].strip(): item for item in overrides}
+    lines = message.split("\n")
+    for i, line in enumerate(lines):
+        first = re.search(r"'([A-Za-z_][\w.]*)'", line)  # the key at fault; later: hints
+        blamed = _overrides_of(first.group(1), keys) if first else []
+        if blamed:
+            lines[i] = f"{line} [from the command line: {', '.join(blamed)}]"
+    return "\n".join(lines)
+
+
+def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Each dotted key whose value differs between two resolved configs (``to_dict()``), as
+    ``'rounds: 12 vs 20'`` (``before``'s value first; ``-`` where a key is absent), in key
+    order: what a refused resume names instead of only saying that the settings differ."""
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    missing = object()
+    lines = []
+    for key in sorted(flat_before.keys() | flat_after.keys()):
+        old, new = flat_before.get(key, missing), flat_after.get(key, missing)
+        if old != new:
+            lines.append(f"{key}: {_shown(old, missing)} vs {_shown(new, missing)}")
+    return lines
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown(value: Any, missing: object) -> str:
+    return "-" if value is missing else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -373,6 +424,17 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         node[parts[-1]] = text
+
+
+def _overrides_of(key: str, overrides: dict[str, str]) -> list[str]:
+    """The overrides that set ``key``: the one naming it, else the closest section holding it
+    (``algorithm=fedprox`` for ``algorithm.mu``), else those setting keys inside it."""
+    if key in overrides:
+        return [overrides[key]]
+    sections = [k for k in overrides if key.startswith(k + ".")]
+    if sections:
+        return [overrides[max(sections, key=len)]]
+    return [item for k, item in overrides.items() if k.startswith(key + ".")]
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:

@@ -430,7 +430,8 @@ class MethodSpec:
     shrinkage at the stations), so any client method keeps its own logic underneath.
     ``batchable``: its client part's "fit" is the plain step and implements ``run_batch``, so a
     round's clients may be trained together (``train.batched_clients``); not inherited by a
-    method whose client subclasses it."""
+    method whose client subclasses it. ``uses_total_rounds``: its updates depend on the run's
+    total rounds (FedDG-GA's decaying step), so a finished run cannot be extended to more."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -445,6 +446,7 @@ class MethodSpec:
     client_wrapper: ClientWrapper | None = None
     station_wrapper: StationWrapper | None = None
     batchable: bool = False
+    uses_total_rounds: bool = False  # its updates depend on `rounds`: a run is not extensible
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)

@@ -237,5 +237,6 @@ register(
             "(Zhang et al., CVPR 2023)"
         ),
         check_config=check_config,
+        uses_total_rounds=True,  # the step size decays over the run's rounds
     )
 )
