@@ -403,7 +403,10 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _shown(value: Any, missing: object) -> str:
-    return "-" if value is missing else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+    """A value as a config would spell it (YAML flow style); ``-`` for an absent key."""
+    if value is missing:
+        return "-"
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

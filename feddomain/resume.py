@@ -63,7 +63,7 @@ def _check_extensible(cfg: ExperimentConfig, rounds: int) -> None:
             f"{rounds}-round run differ from these; start a new run with rounds={rounds}"
         )
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
-    for spec in {method.spec.name: method.spec, method.client_spec.name: method.client_spec}.values():
+    for spec in (method.spec, method.client_spec):
         if spec.uses_total_rounds:
             raise FeddomainError(
                 f"{change} is refused: method {spec.name} uses the total rounds in its updates, "
