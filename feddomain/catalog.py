@@ -11,25 +11,20 @@ import inspect
 import json
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-import feddomain
-from feddomain.config import ExperimentConfig
+from feddomain.config import SHIPPED_DIR, ExperimentConfig, shipped_name
 
-PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
 Row = tuple[str, str]  # (name, one-line description)
-
 
 def methods() -> list[Row]:
     """Every registered method with its description and citation."""
     from feddomain.algorithms import METHODS
 
     return [(name, spec.description) for name, spec in sorted(METHODS.items())]
-
 
 def models() -> list[Row]:
     """Every model with the first line of its builder's docstring and its options."""
@@ -41,7 +36,6 @@ def models() -> list[Row]:
         options = ", ".join(f"{k}={v!r}" for k, v in model_options(name).items())
         rows.append((name, f"{doc} Options: {options or 'none'}."))
     return rows
-
 
 def datasets() -> list[Row]:
     """Every dataset preset with its domains (a `folder` dataset's are its sub-folders)."""
@@ -61,16 +55,15 @@ def datasets() -> list[Row]:
             )
     return rows
 
-
-def configs(root: Path = PROJECT_ROOT / "configs") -> list[Row]:
-    """Every shipped config with the first line of its leading comment."""
+def configs() -> list[Row]:
+    """Every shipped config, by the name ``feddomain run`` accepts from any folder
+    (``feddomain:pacs/lenet32``), with the first line of its leading comment."""
     rows = []
-    for path in sorted(root.rglob("*.yaml")):
+    for path in sorted(SHIPPED_DIR.rglob("*.yaml")):
         first = next(iter(path.read_text().splitlines()), "")
         comment = first.lstrip("# ").strip() if first.startswith("#") else ""
-        rows.append((str(path.relative_to(root.parent)), comment))
+        rows.append((shipped_name(path), comment))
     return rows
-
 
 # ----------------------------------------------------------------------- docs/config.md
 def config_reference() -> str:
@@ -105,7 +98,6 @@ def config_reference() -> str:
         parts += table if fields else ["No hyper-parameters.", ""]
     return "\n".join(parts).rstrip() + "\n"
 
-
 def _section_tables(model: type[BaseModel], prefix: str) -> list[str]:
     """A table of ``model``'s plain keys, then one sub-section per nested section."""
     plain = {k: f for k, f in model.model_fields.items() if not _is_section(f)}
@@ -119,10 +111,8 @@ def _section_tables(model: type[BaseModel], prefix: str) -> list[str]:
             out += _section_tables(field.annotation, f"{prefix}{key}.")
     return out
 
-
 def _is_section(field: FieldInfo) -> bool:
     return isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-
 
 def _inherited_meaning(model: type[BaseModel], key: str) -> str:
     """The field's meaning, or, where a subclass only fixes its value (hFedF's ablations set
@@ -132,7 +122,6 @@ def _inherited_meaning(model: type[BaseModel], key: str) -> str:
         if key in fields and fields[key].description:
             return fields[key].description
     return ""
-
 
 def _table(
     fields: dict[str, FieldInfo], prefix: str, meanings: dict[str, str] | None = None
@@ -146,7 +135,6 @@ def _table(
         )
     return [*rows, ""]
 
-
 def _type(field: FieldInfo) -> str:
     """The annotation in YAML terms, with the field's bounds (e.g. ``int ≥ 1``)."""
     text = _annotation(field.annotation)
@@ -157,7 +145,6 @@ def _type(field: FieldInfo) -> str:
             if value is not None:
                 bounds.append(f"{sign} {value}")
     return _cell(f"{text} {', '.join(bounds)}".strip())
-
 
 def _annotation(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -177,15 +164,12 @@ def _annotation(annotation: Any) -> str:
         return "mapping"
     return getattr(annotation, "__name__", str(annotation))
 
-
 def _default(field: FieldInfo) -> str:
     value = field.default_factory() if field.default_factory else field.default
     return json.dumps(value)
 
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
-
 
 if __name__ == "__main__":
     print(config_reference(), end="")

@@ -388,9 +388,10 @@ def _run_splits(
 
 
 def _scores(record: dict) -> str:
-    """'id 0.912  ood 0.453' (id '-' when the clients hold no validation data)."""
-    id_acc = "-" if record.get("id_acc") is None else f"{record['id_acc']:.3f}"
-    ood_acc = "-" if record.get("ood_acc") is None else f"{record['ood_acc']:.3f}"
+    """'id 91.2%  ood 45.3%', in the report tables' unit (id '-' when the clients hold no
+    validation data)."""
+    id_acc = "-" if record.get("id_acc") is None else f"{100 * record['id_acc']:.1f}%"
+    ood_acc = "-" if record.get("ood_acc") is None else f"{100 * record['ood_acc']:.1f}%"
     return f"id {id_acc}  ood {ood_acc}"
 
 
@@ -535,9 +536,7 @@ DEMO_STORY = (
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    config = PROJECT_ROOT / "configs" / "demo.yaml"
-    if not config.is_file():
-        raise FeddomainError(f"demo config not found at {config}; run from a clone of feddomain")
+    config = Path("feddomain:demo")
     out = args.out or Path(tempfile.mkdtemp(prefix="feddomain-demo-"))
     if out.exists() and any(out.iterdir()):
         raise FeddomainError(f"output directory {out} already holds files; choose a new --out")

@@ -339,11 +339,35 @@ def default_threads() -> int:
     return max(1, cores // 2)
 
 
+SHIPPED = "feddomain:"  # names a config shipped with the package, e.g. feddomain:demo
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/
+
+
+def shipped_config(name: str) -> Path:
+    """The file of shipped config ``name`` (``feddomain:pacs/lenet32``, ``.yaml`` optional),
+    inside the installed package, so it works from any folder and without a clone."""
+    rel = name.removeprefix(SHIPPED).removesuffix(".yaml") + ".yaml"
+    path = SHIPPED_DIR / rel
+    if ".." in Path(rel).parts or not path.is_file():
+        names = [shipped_name(p) for p in sorted(SHIPPED_DIR.rglob("*.yaml"))]
+        raise ConfigError(
+            f"no shipped config {name!r}{closest(SHIPPED + rel.removesuffix('.yaml'), names)}"
+            " (`feddomain list configs` lists them)"
+        )
+    return path
+
+
+def shipped_name(path: Path) -> str:
+    """How ``feddomain list configs`` names a shipped config file: ``feddomain:pacs/lenet32``."""
+    return SHIPPED + path.relative_to(SHIPPED_DIR).with_suffix("").as_posix()
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate."""
+    """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate.
+    ``feddomain:NAME`` reads a shipped config (``shipped_config``)."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = shipped_config(str(path)) if str(path).startswith(SHIPPED) else Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:

@@ -683,6 +683,7 @@ class Simulation:
             "seed": cfg.seed,
             "rounds": cfg.rounds,
             "n_clients": self.data.n_clients,
+            "classes": list(self.data.classes),  # chance is 1 / len: report marks results below it
             "selection": chosen["selection"],
             "selected_round": chosen["selected_round"],
             **{k: chosen.get(k) for k in headline},
