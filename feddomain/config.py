@@ -237,7 +237,7 @@ class CheckpointConfig(Section):
     every: int = Field(5, ge=0)
     """Checkpoint every this many rounds; 0: never (an interrupted run restarts)."""
     keep_final: bool = True
-    """Keep a finished run's last state (`checkpoint.pt`), so that `feddomain run --resume DIR
+    """Keep a finished run's last state (`final_checkpoint.pt`), so `feddomain run --resume DIR
     rounds=N` can extend it to N rounds; false deletes it (disk-bound sweeps)."""
 
 
