@@ -118,7 +118,9 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
         assert summary["rounds"] == 1
         cell, avg, seeds, budget, selected = table[method]
         assert (seeds, budget, selected) == ("1", "1×1", "1")
-        assert cell == f"{100 * summary['ood_acc']:.1f}" == avg  # one seed: no spread
+        # one seed: no spread; † marks a value below chance (possible after 1 round)
+        below = "†" if summary["ood_acc"] < 0.1 else ""
+        assert cell == f"{100 * summary['ood_acc']:.1f}{below}" and avg == cell.removesuffix("†")
     assert set(markdown_rows(printed, "— id accuracy (%)")) == set(DEMO_METHODS)
     assert (out / "report" / "report.csv").is_file() and (out / "report" / "report.md").is_file()
     assert printed.rstrip().endswith(f"open in a browser: {out / 'report' / 'report.html'}")
