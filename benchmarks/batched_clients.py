@@ -3,14 +3,18 @@
 The same simulator object runs the round both ways on the same messages and generators: the
 sequential path (``Simulation.execute`` per client: the shared model, torch.optim) and the
 batched one (``Simulation.execute_batch``: vmap over stacked parameters, ``federation/batched.py``).
-FedAvg, LeNet-5 at 32 px, random images (the cost does not depend on their content), about
+FedAvg, LeNet-5 or the hFedF CNN at 32 px, random images (the cost does not depend on their
+content), about
 ``--images`` images per client (the partition divides each source domain's images among its
 clients, so sizes differ: partial batches and early finishers are part of the timing). Repeats
 alternate the two paths so that load from other processes hits both alike; the median of each
-is reported, and their ratio, side by side.
+is reported, and their ratio, side by side. The hFedF CNN's dropout (p = 0.2), which the
+batched path refuses (its masks come from torch's global generator), is set to 0 in both paths:
+the timing is that of the same network without the mask multiply.
 
     python benchmarks/batched_clients.py                         # 10 and 100 clients, CPU
     python benchmarks/batched_clients.py --device cuda --clients 10 100
+    python benchmarks/batched_clients.py --device cuda --model hfedf_cnn
 """
 
 from __future__ import annotations
@@ -31,15 +35,19 @@ from feddomain.federation.messages import Message
 from feddomain.federation.simulation import Simulation
 
 
-def synthetic(n_images: int, n_domains: int = 4, n_classes: int = 7) -> DomainDataset:
-    """Random 32 px uint8 images in ``n_domains`` domains (PACS's 7 classes)."""
+def synthetic(
+    n_images: int, n_domains: int = 4, n_classes: int = 7, resolution: int = 32
+) -> DomainDataset:
+    """Random uint8 images in ``n_domains`` domains (PACS's 7 classes)."""
     g = torch.Generator().manual_seed(0)
     n = n_images * n_domains
     return DomainDataset(
         name="synthetic",
         domains=tuple(f"d{i}" for i in range(n_domains)),
         classes=tuple(f"c{i}" for i in range(n_classes)),
-        images=torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8),
+        images=torch.randint(
+            0, 256, (n, 3, resolution, resolution), generator=g, dtype=torch.uint8
+        ),
         labels=torch.arange(n) % n_classes,
         domain_ids=torch.arange(n) // n_images,
     )
@@ -52,14 +60,15 @@ def simulation(n_clients: int, images: int, args: argparse.Namespace, out: Path)
             "device": args.device,
             "dataset": {"name": "synthetic"},
             "partition": {"n_clients": n_clients, "d": 1},
-            "model": {"name": "lenet5"},
+            "model": {"name": args.model},
             "train": {
                 "batch_size": args.batch_size,
                 "optimizer": "sgd",
                 "lr": 0.01,
                 "momentum": 0.9,
                 "local_epochs": args.epochs,
-                "batched_clients": "on",
+                # on: refused for the hFedF CNN's dropout, which is switched off below
+                "batched_clients": "on" if args.model == "lenet5" else "off",
             },
             "checkpoint": {"every": 0},
         }
@@ -69,7 +78,11 @@ def simulation(n_clients: int, images: int, args: argparse.Namespace, out: Path)
     fed = build_federated_data(
         cfg, synthetic(per_domain), leave_one_domain_out(("d0", "d1", "d2", "d3"))[0]
     )
-    return Simulation(cfg, fed, out)
+    sim = Simulation(cfg, fed, out)
+    for module in sim.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return sim
 
 
 def sync(device: torch.device) -> None:
@@ -101,10 +114,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", choices=("lenet5", "hfedf_cnn"), default="lenet5")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(
-        f"device {args.device}, threads {args.threads}, LeNet-5 32 px, FedAvg, SGD momentum, "
+        f"device {args.device}, threads {args.threads}, {args.model} 32 px, FedAvg, SGD momentum, "
         f"~{args.images} images/client, batch {args.batch_size}, {args.epochs} epoch(s); "
         f"median of {args.repeats} rounds each"
     )

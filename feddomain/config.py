@@ -207,11 +207,11 @@ class TrainConfig(Section):
     precise_bn: bool = False
     """After local training, re-estimate BatchNorm statistics with the final weights over one
     pass of the client's data (PreciseBN)."""
-    batched_clients: Literal["auto", "off", "on"] = "off"
+    batched_clients: Literal["auto", "off", "on"] = "auto"
     """Train a round's clients as one batched computation (torch.func vmap over stacked
     parameters; FedAvg, FedProx, Local-only on models without BatchNorm or dropout): on,
-    off, or auto (on only on CUDA; the CPU keeps the sequential path). Off by default until
-    the batched path has been checked against the sequential one on a GPU (only CPU so far)."""
+    off, or auto (on CUDA when nothing stands in the way; the CPU keeps the sequential path).
+    On an H100, 100 LeNet-5 clients train a round 5.4x faster batched (docs/performance.md)."""
     augment: AugmentSection = Field(default_factory=AugmentSection)
     mean: tuple[float, float, float] | None = None
     """Per-channel input mean; null (with `std`) keeps inputs in [0, 1] (hFedF's protocol)."""

@@ -300,7 +300,7 @@ def test_batches_must_be_uint8_rgb(batch) -> None:
         BatchAugment(AugmentConfig(), None, None)(batch, None)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cpu_generator_drives_a_cuda_batch_like_a_cpu_batch() -> None:
     x = images(n=16)
     aug = BatchAugment(ALL_ON, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))

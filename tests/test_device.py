@@ -30,7 +30,7 @@ TINY = {
     "checkpoint": {"every": 0},
     "threads": 1,
 }
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda
 
 
 @pytest.fixture

@@ -171,7 +171,7 @@ def evaluation_view(data: ClientData) -> ClientData:
 def mean_loss(model: nn.Module, data: ClientData, batch_size: int) -> float:
     """Mean cross-entropy of ``model`` over ``data`` in evaluation mode (summed in float64)."""
     model.eval()
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=data.inputs.device)
     for x, y in data.batches(batch_size, shuffle=False):
         total += F.cross_entropy(model(x), y, reduction="sum").double()
     return float(total) / max(len(data), 1)

@@ -289,7 +289,7 @@ class HFedAvgServer(ServerAlgorithm):
         t0 = time.perf_counter()
         self.times = {}
         order = sorted(payloads)
-        gammas = [self._gamma(payloads[u]) for u in order]
+        gammas = self.weights([payloads[u] for u in order])
         models = [{k: payloads[u].arrays[k] for k in self.global_arrays} for u in order]
         t_grams = time.perf_counter()
         grams = [self._grams(u, payloads[u]) for u in order]
@@ -299,9 +299,10 @@ class HFedAvgServer(ServerAlgorithm):
         self.times["merge"] = time.perf_counter() - t0
         self.pending.append(record)
 
-    def _gamma(self, payload: Message) -> float:
-        """γ_e: the station's active clients (1 for a client of a flat federation)."""
-        return float(payload.scalars[ACTIVE]) if self.ctx.stations else 1.0
+    def weights(self, payloads: list[Message]) -> list[float]:
+        """Each unit's weight in the merge: γ_e, the station's active clients (1 for a client of
+        a flat federation); FedRC's Gaussian weights override it."""
+        return [float(p.scalars[ACTIVE]) if self.ctx.stations else 1.0 for p in payloads]
 
     def _grams(self, unit: int, payload: Message) -> dict[str, Tensor]:
         return {}

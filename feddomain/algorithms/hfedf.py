@@ -720,6 +720,7 @@ class HFedFClient(HypernetworkClient):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(msg.scalars["ae_seed"]))
             ae = ConvAutoencoder(int(msg.scalars["latent_dim"]), int(images.inputs.shape[-1]))
+        ae.to(images.inputs.device)  # initialised on the CPU, so every device starts it alike
         optimizer = torch.optim.Adam(ae.parameters(), lr=self.hp.ae_lr)
         ae.train()
         for _ in range(self.hp.ae_epochs):

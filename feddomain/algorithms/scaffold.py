@@ -51,7 +51,7 @@ from feddomain.algorithms.registry import register
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
-from feddomain.federation.training import get_arrays
+from feddomain.federation.training import get_arrays, gradient_offset
 
 SERVER_C = "scaffold_c"  # the server's control variate c, in the fit message
 DELTA_C = "scaffold_delta_c"  # a client's Δc_i, in its reply
@@ -115,14 +115,8 @@ class ScaffoldClient(FedAvgClient):
         c_i = ctx.state.arrays.get(CLIENT_C)
         if c_i is None:
             c_i = torch.zeros_like(c)
-        correction = c - c_i  # added to every gradient: g − c_i + c
-        pieces = torch.split(correction, [p.numel() for p in params])
-        hooks = [p.register_hook(_adds(d.view_as(p))) for p, d in zip(params, pieces, strict=True)]
-        try:
+        with gradient_offset(params, c - c_i):  # every gradient becomes g − c_i + c
             stats = ctx.fit(x)
-        finally:
-            for h in hooks:
-                h.remove()
         y = get_arrays(ctx.model)
         x_flat = torch.cat([x[name].reshape(-1) for name, _ in ctx.model.named_parameters()])
         if stats.steps:
@@ -142,11 +136,6 @@ class ScaffoldClient(FedAvgClient):
         return Uploads(
             model=("*",), statistics={DELTA_C: (1, None)}, scalars=("num_examples", "loss")
         )
-
-
-def _adds(correction: torch.Tensor):
-    """A gradient hook returning g + ``correction``."""
-    return lambda grad: grad + correction
 
 
 def _check_plain_sgd(ctx: ClientContext) -> None:

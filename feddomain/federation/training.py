@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,25 @@ def load_optimizer_state(
     if restored:
         current = optimizer.state_dict()
         optimizer.load_state_dict({**current, "state": restored})
+
+
+@contextmanager
+def gradient_offset(params: Sequence[nn.Parameter], offset: torch.Tensor) -> Iterator[None]:
+    """While active, every backward adds the matching slice of the flat ``offset`` (``params``
+    order) to each parameter's gradient as it is computed, so a plain SGD step is
+    ``w ← w − lr·(g + offset)``: a control-variate correction (SCAFFOLD's c − c_i, MTGC's
+    z_i + y_j) that ``train.grad_clip`` then clips with the gradient."""
+    pieces = torch.split(offset, [p.numel() for p in params])
+    hooks = [p.register_hook(_adds(d.view_as(p))) for p, d in zip(params, pieces, strict=True)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _adds(offset: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda grad: grad + offset
 
 
 def model_arrays(state: Message) -> Arrays:
