@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 EXAMPLES = """examples:
   feddomain demo                                    # 4 methods on the built-in digits (~2 min)
   feddomain list methods                            # also: models, datasets, configs
-  feddomain run configs/demo.yaml algorithm=fedprox split.targets=sketch --out runs/prox
-  feddomain run configs/demo.yaml --dry-run         # resolved config and partition, no training
+  feddomain run feddomain:demo algorithm=fedprox split.targets=sketch --out runs/prox
+  feddomain run feddomain:demo --dry-run            # a shipped config, from any folder
   feddomain run --resume runs/prox                  # continue an interrupted run
   feddomain run --resume runs/prox rounds=16        # extend a finished run to 16 rounds
   feddomain report runs/prox --out report/ --html   # tables (md, CSV, LaTeX), plots, HTML

@@ -81,7 +81,7 @@ def test_every_argument_has_help_and_the_top_level_help_shows_examples(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    assert "examples:" in text and "feddomain run configs/demo.yaml" in text
+    assert "examples:" in text and "feddomain run feddomain:demo" in text
     assert "docs/config.md" in text
 
 
