@@ -6,7 +6,9 @@ holding exactly what ``feddomain run`` writes, so any run can also be inspected,
 finished runs (``summary.json``) and resumes the others from their last checkpoint, through the
 same code as ``run --resume``. Workers die with the sweep's parent process (a watchdog thread),
 so a sweep killed outright leaves no orphan still writing into a run directory that the rerun
-takes over.
+takes over. Progress (runs completed of the total, time per run, ETA: ``feddomain.progress``) is
+the live table's title on a terminal and one plain line per ended run otherwise; a rerun first
+lists the runs it skips (finished), resumes (checkpoint) and restarts (no checkpoint yet).
 """
 
 from __future__ import annotations
