@@ -62,12 +62,13 @@ def test_a_run_loads_no_library_its_method_and_model_do_not_use(tmp_path):
     assert loaded.isdisjoint({"torchvision", "ot", "sklearn", "scipy"}), loaded
 
 
-@pytest.mark.parametrize("delay", [0.2, 0.6, 1.2, 2.5, 5.0])
+@pytest.mark.parametrize("delay", [0.5, 1.0, 2.0, 3.5, 5.0])
 def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tmp_path, delay):
     """Catches a traceback from Ctrl-C while the command line, torch, the config or the data
     are still loading (the guard covered only the command's own body). The delays fall in
-    different phases of start-up on a fast or a loaded machine; below 0.2 s the interpreter
-    itself is starting, before any feddomain code."""
+    different phases of start-up on a fast or a loaded machine. Not tested: the interpreter's
+    own start (~0.2 s on a loaded machine), before any feddomain code, where the signal ends
+    the process itself (status -2, no traceback and no message)."""
     argv = ["run", "feddomain:demo", "split.targets=[sketch]", "--out", str(tmp_path / "run")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "feddomain", *argv, "--quiet"],
@@ -80,10 +81,10 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tmp_path, delay):
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     if proc.returncode == 0:
         pytest.skip("the run finished before the signal")
     assert proc.returncode == 130, err
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and lines[-1].startswith("interrupted"), err
 
