@@ -11,6 +11,7 @@ other than constant (cosine and step are set from ``rounds``) and a method decla
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from feddomain.config import ExperimentConfig, config_differences, load_config
@@ -78,6 +79,12 @@ def reopen_finished(out: Path, rounds: int, new_rounds: int) -> list[Path]:
     that cannot be extended changes nothing."""
     finished = [d for d in (out, *sorted(out.iterdir())) if (d / "summary.json").is_file()]
     for run_dir in finished:
+        if json.loads((run_dir / "summary.json").read_text()).get("runner") == "flower":
+            raise FeddomainError(
+                f"extending {rounds} rounds to {new_rounds} is refused: {run_dir} ran on Flower, "
+                "whose clients keep their state on their nodes, not in the run's final state; "
+                f"start a new run with rounds={new_rounds}"
+            )
         if not (run_dir / checkpoint.FINAL).is_file():
             raise FeddomainError(
                 f"extending {rounds} rounds to {new_rounds} is refused: {run_dir} finished "

@@ -230,3 +230,18 @@ def test_resuming_with_other_settings_names_each_key_and_both_values(
     assert "(saved vs given): seed: 3 vs 4; train.lr: 0.002 vs 0.01." in err
     assert main(["run", "--resume", str(out), "rounds=2"]) == 2
     assert "rounds: 4 vs 2: a run cannot be shortened" in " ".join(capsys.readouterr().err.split())
+
+
+def test_extending_a_run_made_on_flower_is_refused(tmp_path, capsys):
+    """Catches an extension of a Flower run in the simulator: its clients' state lived on the
+    SuperNodes, not in its final state, so a stateful method would go on from empty states."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**EXTEND, "rounds": 1}))
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "runner": "flower"}))
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "rounds=2", "--quiet"]) == 2
+    assert "ran on Flower, whose clients keep their state" in capsys.readouterr().err
+    assert (out / "final_checkpoint.pt").is_file() and not (out / "checkpoint.pt").exists()
