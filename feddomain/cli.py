@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,14 +22,16 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 import feddomain
+from feddomain import api
+from feddomain.api import run_experiment
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError, Interrupted
 from feddomain.federation.flower.commands import add_commands as add_flower_commands
 from feddomain.sweep import add_command as add_sweep_command
+from feddomain.tune import add_command as add_tune_command
 
 if TYPE_CHECKING:
     from feddomain.evaluation.report import Report
-    from feddomain.federation.simulation import Simulation
 
 console = Console(stderr=True)
 PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
@@ -41,7 +40,9 @@ PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
 def _methods_epilog() -> str:
     """Every registered method with its one-line description and citation (algorithm.name)."""
     from feddomain.algorithms import METHODS
+    from feddomain.plugins import load_entry_points
 
+    load_entry_points()
     width = max(len(name) for name in METHODS)
     lines = [f"  {name:<{width}}  {spec.description}" for name, spec in sorted(METHODS.items())]
     return "methods (algorithm.name):\n" + "\n".join(lines)
@@ -121,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="methods, models, datasets or shipped configs, one line each")
     lst.add_argument("what", choices=LISTS, help="what to list")
+    lst.add_argument(
+        "--spaces", action="store_true", help="methods: their search spaces (`feddomain tune`)"
+    )
     lst.set_defaults(func=cmd_list)
 
     run = sub.add_parser(
@@ -188,6 +192,20 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--html", action="store_true", help="also write report.html (one self-contained page)"
     )
+    rep.add_argument(
+        "--against",
+        metavar="METHOD",
+        help="claims 'M > METHOD' for every other row: paired ood-accuracy difference over "
+        "(seed, target) with its 95%% interval and verdict holds / refuted / unresolved",
+    )
+    rep.add_argument(
+        "--claims", type=Path, metavar="FILE", help="claims to test, one 'A > B' per line"
+    )
+    rep.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="claims' intervals by paired bootstrap instead of Student's t",
+    )
     rep.set_defaults(func=cmd_report)
 
     data = sub.add_parser("data", help="inspect datasets and partitions")
@@ -239,6 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_evaluate)
     add_flower_commands(sub)
     add_sweep_command(sub)
+    add_tune_command(sub)
     return p
 
 
@@ -271,7 +290,9 @@ def cmd_list(args: argparse.Namespace) -> None:
     """One line per entry: name, then its description (citation included for methods)."""
     from feddomain import catalog
 
-    rows = getattr(catalog, args.what)()
+    if args.spaces and args.what != "methods":
+        raise FeddomainError(f"--spaces lists the methods' search spaces, not {args.what}")
+    rows = catalog.spaces() if args.spaces else getattr(catalog, args.what)()
     width = max(len(name) for name, _ in rows)
     for name, text in rows:
         print(f"{name:<{width}}  {text}")
@@ -279,30 +300,20 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- run
 def cmd_run(args: argparse.Namespace) -> None:
-    if args.resume is not None:
-        from feddomain.resume import resumed_config
-
-        out = args.resume
-        config, overrides = args.config, args.overrides
-        if config is not None and "=" in str(config) and not config.exists():
-            config, overrides = None, [str(config), *overrides]  # `--resume DIR rounds=20`
-        cfg = resumed_config(out, config, overrides)
-    elif args.dry_run:
+    if args.dry_run and args.resume is None:
         if args.config is None:
             raise FeddomainError("feddomain run --dry-run needs CONFIG")
         dry_run(load_config(args.config, args.overrides))
         return
-    else:
-        if args.config is None or args.out is None:
-            raise FeddomainError("feddomain run needs CONFIG and --out DIR (or --resume DIR)")
-        cfg = load_config(args.config, args.overrides)
-        out = args.out
-        if out.exists() and any(out.iterdir()):
-            raise FeddomainError(
-                f"output directory {out} already holds files; choose a new --out, or continue "
-                f"it with --resume {out}"
-            )
-    run_experiment(cfg, out, quiet=args.quiet, resume=args.resume is not None)
+    config, overrides = args.config, args.overrides
+    resume_override = config is not None and "=" in str(config) and not config.exists()
+    if args.resume is not None and resume_override:  # `--resume DIR rounds=20`: not a file
+        config, overrides = None, [str(config), *overrides]
+    if args.resume is not None and config is None and overrides:
+        config = args.resume / "config.yaml"  # the saved config with these overrides
+    cfg = None if config is None else load_config(config, overrides)
+    out = args.resume if args.resume is not None else args.out
+    api.run(cfg, out, resume=args.resume is not None, quiet=args.quiet)
 
 
 def dry_run(cfg: ExperimentConfig) -> None:
@@ -317,212 +328,6 @@ def dry_run(cfg: ExperimentConfig) -> None:
     print(
         f"dry run: {cfg.rounds} rounds x {cfg.train.local_epochs} local epoch(s); nothing trained"
     )
-
-
-def run_experiment(
-    cfg: ExperimentConfig,
-    out: Path,
-    *,
-    quiet: bool = False,
-    resume: bool = False,
-    simulation: type[Simulation] | None = None,
-) -> list[Path]:
-    """Run every split of ``cfg`` into ``out`` (one sub-directory per split when there are
-    several); returns the run directories. Data problems surface before any training, and a
-    new run that fails before its first round leaves no directory behind. ``simulation``: a
-    subclass of the simulator that records more (benchmarks scoring extra evaluations)."""
-    existed = out.exists()
-    try:
-        return _run_splits(cfg, out, quiet=quiet, resume=resume, simulation=simulation)
-    except FeddomainError:
-        if not resume and not _has_rounds(out):
-            _undo_start(out, existed)
-        raise
-
-
-def _run_splits(
-    cfg: ExperimentConfig,
-    out: Path,
-    *,
-    quiet: bool,
-    resume: bool,
-    simulation: type[Simulation] | None = None,
-) -> list[Path]:
-    import torch
-
-    from feddomain.data.federated import federations
-    from feddomain.federation.simulation import Simulation
-
-    simulation = simulation or Simulation
-
-    torch.set_num_threads(cfg.torch_threads)
-    feds = federations(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_config(out, cfg)
-    run_dirs = []
-    for fed in feds:
-        split = fed.split
-        run_dir = out if len(feds) == 1 else out / split.name
-        run_dirs.append(run_dir)
-        if (run_dir / "summary.json").exists():
-            if resume:
-                logging.getLogger("feddomain").info("%s already finished", run_dir)
-                continue
-            raise FeddomainError(f"{run_dir} already holds a finished run")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if run_dir != out:
-            _write_config(run_dir, cfg)
-        label = f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}"
-        try:
-            with _progress(quiet, label, cfg.rounds) as tick:
-                sim = simulation(cfg, fed, run_dir, progress=tick)
-                summary = sim.run()
-        except KeyboardInterrupt:
-            raise Interrupted(_interrupted(cfg, out, run_dir)) from None
-        print(
-            f"{label}: {_scores(summary)}  ({summary['selection']}, round "
-            f"{summary['selected_round']})  {summary['wall_time_s']:.1f}s  -> {run_dir}",
-            flush=True,
-        )
-    return run_dirs
-
-
-def _scores(record: dict) -> str:
-    """'id 91.2%  ood 45.3%', in the report tables' unit (id '-' when the clients hold no
-    validation data)."""
-    id_acc = "-" if record.get("id_acc") is None else f"{100 * record['id_acc']:.1f}%"
-    ood_acc = "-" if record.get("ood_acc") is None else f"{100 * record['ood_acc']:.1f}%"
-    return f"id {id_acc}  ood {ood_acc}"
-
-
-def _interrupted(cfg: ExperimentConfig, out: Path, run_dir: Path) -> str:
-    """What a Ctrl-C kept of ``run_dir`` and how to go on."""
-    if (run_dir / "checkpoint.pt").exists():
-        return f"the last checkpoint in {run_dir} is kept; continue with --resume {out}"
-    why = (
-        "checkpoints are off (checkpoint.every=0)"
-        if not cfg.checkpoint.every
-        else f"the first is written after round {cfg.checkpoint.every} (checkpoint.every)"
-    )
-    return (
-        f"nothing was checkpointed yet in {run_dir}: {why}; --resume {out} restarts it from round 1"
-    )
-
-
-def _has_rounds(out: Path) -> bool:
-    """Whether any round of a run in ``out`` completed (its log or checkpoint exists)."""
-    return out.is_dir() and any(
-        next(out.rglob(name), None) for name in ("rounds.jsonl", "checkpoint.pt")
-    )
-
-
-def _undo_start(out: Path, existed: bool) -> None:
-    """Remove what a failed start wrote, so the same --out works once the cause is fixed
-    (``out`` was new or empty: cmd_run and cmd_demo refuse any other)."""
-    if not existed:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for child in out.iterdir():
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
-
-
-def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
-    """The resolved config (re-loadable as is) and the provenance of the code that ran it."""
-    import torch
-
-    from feddomain.federation.device import describe as describe_device
-
-    provenance = {
-        "feddomain_version": feddomain.__version__,
-        "git_commit": _git_commit(),
-        "torch": str(torch.__version__),
-        "python": sys.version.split()[0],
-        "command": sys.argv,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "seed": cfg.seed,
-        "device": describe_device(cfg.device),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep's GPU pinning
-    }
-    _write_atomic(run_dir / "provenance.yaml", yaml.safe_dump(provenance, sort_keys=False))
-    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _git_commit() -> str:
-    try:
-        res = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "describe", "--always", "--dirty", "--abbrev=40"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return res.stdout.strip() or "unknown"
-
-
-class _progress:
-    """Progress over rounds, yielding a tick callback: a rich bar on a terminal; otherwise (a
-    batch job, CI, a redirect) one plain line per evaluated round on stderr; nothing in quiet
-    mode."""
-
-    def __init__(self, quiet: bool, label: str, total: int) -> None:
-        self.quiet, self.label, self.total = quiet, label, total
-        self.bar = None
-        self.start = time.perf_counter()
-
-    def __enter__(self):
-        if self.quiet:
-            return None
-        if not console.is_terminal:
-            return self._line
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        )
-        self.bar.start()
-        task = self.bar.add_task(self.label, total=self.total, status="")
-
-        def tick(rnd: int, record: dict | None) -> None:
-            status = {"status": _scores(record)} if record else {}
-            self.bar.update(task, completed=rnd, **status)
-
-        return tick
-
-    def _line(self, rnd: int, record: dict | None) -> None:
-        """One plain line per evaluated round: round, scores, seconds since this session began."""
-        if record is not None:
-            elapsed = time.perf_counter() - self.start
-            print(
-                f"{self.label}  round {rnd}/{self.total}  {_scores(record)}  {elapsed:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 # --------------------------------------------------------------------------- demo
@@ -578,23 +383,23 @@ def below_chance_notes(report: Report, n_classes: int) -> list[str]:
 
 # ------------------------------------------------------------------------- report
 def cmd_report(args: argparse.Namespace) -> None:
-    from feddomain.evaluation.report import build_report, write_html, write_outputs
-
-    if args.html and args.out is None:
-        raise FeddomainError("--html writes report.html into --out DIR; add --out")
-    report = build_report(
-        args.dirs,
+    report = api.report(
+        *args.dirs,
         selection=args.selection,
         spread=args.spread,
-        extra_metrics=tuple(args.metrics),
+        metrics=args.metrics,
+        out=args.out,
+        html=args.html,
+        against=args.against,
+        claims=args.claims,
+        bootstrap=args.bootstrap,
     )
     print(report.to_markdown())
     if args.out is None:  # a run directory is the run's record: nothing is added unasked
         console.print("no files written; add --out DIR for CSV, LaTeX, plots (and --html)")
         return
-    write_outputs(report, args.out)
     if args.html:
-        console.print(f"HTML report: {write_html(report, args.out / 'report.html')}")
+        console.print(f"HTML report: {args.out / 'report.html'}")
     console.print(f"tables and plots written to {args.out}")
 
 

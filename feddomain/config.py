@@ -149,6 +149,23 @@ class ModelConfig(Section):
     `head_hidden`."""
     backbone_resolution: int | None = Field(None, ge=8)
     """Frozen mode: image side the backbone sees (e.g. 224); null: `dataset.resolution`."""
+    frozen_prefix: int | None = Field(None, ge=1)
+    """Freeze a pretrained backbone up to and including its stage k (1-based, as MixStyle's
+    `blocks`: efficientnet_lite0's 7 block groups, ResNet's layer1-4, small_cnn's conv blocks),
+    compute that part's output once per image and cache it, and train the rest (its BatchNorm
+    layers included) and the head; null: train the whole model. Exclusive with `frozen`."""
+    prefix_cache: bool = True
+    """Frozen prefix: read its output from the cache (true) or recompute it on every batch
+    (false: the same run up to float error; for checks and timing)."""
+
+    @model_validator(mode="after")
+    def _one_frozen_mode(self) -> ModelConfig:
+        if self.frozen and self.frozen_prefix is not None:
+            raise ValueError(
+                "'frozen: true' trains a head on cached features and 'frozen_prefix' trains the "
+                "stages after the prefix: set one of them"
+            )
+        return self
 
 
 class AugmentSection(Section):
@@ -241,6 +258,40 @@ class CheckpointConfig(Section):
     rounds=N` can extend it to N rounds; false deletes it (disk-bound sweeps)."""
 
 
+class MlflowConfig(Section):
+    """Where MLflow records the runs."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`); null: MLflow's own
+    default (`$MLFLOW_TRACKING_URI`, else a local store in the current folder)."""
+    experiment: str | None = None
+    """MLflow experiment the runs are recorded under; null: the config's `name`."""
+
+
+class TrackingConfig(Section):
+    """Experiment tracking: every round's metrics, the resolved config as hyper-parameters and
+    the summary, also sent to TensorBoard and/or MLflow (the run directory's files are written
+    as always; a tracking failure warns once and the run goes on)."""
+
+    tensorboard: str | None = None
+    """Folder of TensorBoard event files, one sub-folder per run (`tensorboard --logdir`);
+    null: off. Needs `pip install 'feddomain[tensorboard]'`."""
+    mlflow: MlflowConfig | None = None
+    """MLflow tracking, `{tracking_uri: URI, experiment: NAME}` (both optional: the URI
+    defaults to `$MLFLOW_TRACKING_URI`, else MLflow's local store in the current folder; the
+    experiment to the config's `name`); null: off. Needs `pip install 'feddomain[mlflow]'`."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> TrackingConfig:
+        from feddomain.tracking import missing_package  # late: a cheap check, no import
+
+        for key, on in (("tensorboard", self.tensorboard is not None), ("mlflow", self.mlflow)):
+            problem = missing_package(key) if on else None
+            if problem:
+                raise ValueError(f"'tracking.{key}': {problem}")
+        return self
+
+
 class AlgorithmConfig(BaseModel):
     """``name`` picks the method; every other key is that method's hyper-parameter."""
 
@@ -283,6 +334,10 @@ class ExperimentConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    plugins: list[str] = Field(default_factory=list)
+    """Modules imported before the config is validated, each registering methods, datasets or
+    models of its own (`my_package.my_method`; docs/plugins.md)."""
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -465,12 +520,16 @@ def _overrides_of(key: str, overrides: dict[str, str]) -> list[str]:
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    from feddomain.plugins import load_plugins  # late: plugins import the registries
+
+    load_plugins(raw.get("plugins"), source)
     try:
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, source)) from None
     _check_model(cfg)
     _check_algorithm(cfg)
+    _type_algorithm(cfg)
     _check_batched(cfg)
     _check_weights(cfg)
     from feddomain.data.federated import check_data_config  # late: data imports this module
@@ -524,6 +583,15 @@ def _check_algorithm(cfg: ExperimentConfig) -> None:
     for spec, hp in parts:
         if spec.check_config is not None:
             spec.check_config(cfg, hp)
+
+
+def _type_algorithm(cfg: ExperimentConfig) -> None:
+    """Keep each given hyper-parameter as its method types it (``algorithm.mu=1e-2`` is saved
+    as 0.01, not the string "1e-2"): runs of one setting then save, compare and group alike."""
+    from feddomain.algorithms import typed_section  # late: algorithms import this module
+
+    typed = typed_section(cfg.algorithm.model_dump(), defaults=False)
+    cfg.algorithm = AlgorithmConfig.model_validate(typed)
 
 
 def _explain(err: ValidationError, source: str) -> str:

@@ -19,27 +19,24 @@ from feddomain.errors import FeddomainError
 from feddomain.federation import checkpoint
 
 
-def resumed_config(out: Path, config: Path | None, overrides: list[str]) -> ExperimentConfig:
-    """The config to resume ``out`` with: the saved one, or CONFIG and/or overrides that may
-    differ from it only by a larger ``rounds`` (then ``out``'s finished runs are reopened for
-    the extra rounds). Any other difference is refused, naming each key as ``saved vs given``."""
+def resumed_config(out: Path, wanted: ExperimentConfig | None) -> ExperimentConfig:
+    """The config to resume ``out`` with: the saved one, or ``wanted`` (CONFIG and/or
+    overrides), which may differ from it only by a larger ``rounds`` (then ``out``'s finished
+    runs are reopened for the extra rounds). Any other difference is refused, naming each key
+    as ``saved vs given``."""
     saved_path = out / "config.yaml"
     if not saved_path.is_file():
         raise FeddomainError(f"--resume {out}: no config.yaml there, so nothing to resume")
     saved = load_config(saved_path)
-    if config is None and not overrides:
+    if wanted is None:
         return saved
-    wanted = load_config(config if config is not None else saved_path, overrides)
-    given = " with ".join(
-        part for part in (str(config) if config else "", " ".join(overrides)) if part
-    )
     differences = config_differences(saved.to_dict(), wanted.to_dict())
     others = [d for d in differences if not d.startswith("rounds:")]
     if others:
         raise FeddomainError(
-            f"--resume {out}: {given} differs from the saved {saved_path} (saved vs given): "
-            f"{'; '.join(differences)}. Only rounds may grow (it extends the run); resume with "
-            "the saved config (omit CONFIG and overrides) or start a new --out"
+            f"--resume {out}: the config given differs from the saved {saved_path} (saved vs "
+            f"given): {'; '.join(differences)}. Only rounds may grow (it extends the run); "
+            "resume with the saved config (omit CONFIG and overrides) or start a new --out"
         )
     if wanted.rounds < saved.rounds:
         raise FeddomainError(

@@ -82,25 +82,35 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Exit status 1 when a run failed (the others still ran), 130 when interrupted."""
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
-    grid = [parse_grid(text) for text in args.grid]
-    runs = plan(args.config, args.overrides, grid, args.out)
-    gpus = [] if args.jobs_per_gpu is None else gpu_slots(args.jobs_per_gpu, runs)
-    jobs = len(gpus) or args.jobs
+    from feddomain.api import sweep
+
+    grid = dict(parse_grid(text) for text in args.grid)
+    if len(grid) != len(args.grid):
+        raise ConfigError(f"--grid names a key twice: {[parse_grid(t)[0] for t in args.grid]}")
     console = Console(stderr=True)
     try:
-        states = run_sweep(runs, jobs, console=None if args.quiet else console, gpus=gpus)
+        result = sweep(
+            args.config,
+            *args.overrides,
+            grid=grid,
+            out=args.out,
+            jobs=args.jobs,
+            jobs_per_gpu=args.jobs_per_gpu,
+            live=not args.quiet,
+        )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: rerun the same command to resume the sweep")
         return 130
-    for s in states:
-        if s.status == "failed":
-            console.print(f"[red]failed[/] {escape(s.run.name)}: {escape(s.error or '')}")
+    for s in result.failed:
+        console.print(f"[red]failed[/] {escape(s.run.name)}: {escape(s.error or '')}")
     if not args.quiet:
-        console.print(_table(states))
-    _report(args.out, [s for s in states if s.status in ("done", "skipped")], console)
-    return 1 if any(s.status == "failed" for s in states) else 0
+        console.print(_table(result.states))
+    if result.report is None:
+        console.print("no run finished, so no report")
+    else:
+        print(result.report.to_markdown())
+        console.print(f"report (CSV and plots) written to {args.out / 'report'}")
+    return 1 if result.failed else 0
 
 
 def gpu_slots(per_gpu: int, runs: list[SweepRun]) -> list[str]:
@@ -264,11 +274,13 @@ def run_sweep(
     jobs: int,
     console: Console | None = None,
     gpus: list[str] | None = None,
+    on_settle: Callable[[RunState], None] | None = None,
 ) -> list[RunState]:
     """Run every unfinished run in ``jobs`` worker processes; a failed run is recorded with its
     error and the others go on. With a ``console``, a live table shows every run's state. With
     ``gpus`` (one ``CUDA_VISIBLE_DEVICES`` value per worker, ``gpu_slots``), worker i sees only
-    GPU ``gpus[i]``."""
+    GPU ``gpus[i]``. ``on_settle(state)`` is called in the parent as each run of this session
+    ends (done or failed), e.g. for ``feddomain tune`` to close a trial once its runs are in."""
     states = [RunState(r, found=found(r.out)) for r in runs]
     progress = CampaignProgress(len(states), jobs=jobs)
     for s in states:
@@ -280,7 +292,7 @@ def run_sweep(
     todo = [s for s in states if s.status == "queued"]
     with _live(states, progress, console) as refresh:
         while todo:  # a pool whose worker died is replaced; runs it had not started go again
-            _pool_pass(todo, jobs, refresh, gpus or [], progress)
+            _pool_pass(todo, jobs, refresh, gpus or [], progress, on_settle)
             todo = [s for s in todo if s.status == "queued"]
     return states
 
@@ -325,6 +337,7 @@ def _pool_pass(
     refresh: Callable[[RunState | None], None],
     gpus: list[str],
     progress: CampaignProgress,
+    on_settle: Callable[[RunState], None] | None = None,
 ) -> None:
     """Submit ``todo`` to a fresh pool and settle each run as its future completes."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent holding torch's threads
@@ -345,6 +358,8 @@ def _pool_pass(
                     if _settle(fut, state):
                         progress.finish(state.run.name, failed=state.status == "failed")
                         refresh(state)
+                        if on_settle is not None:
+                            on_settle(state)
                 refresh(None)
         except BaseException:  # Ctrl-C, or a fault of the parent: stop now, not after every run
             pool.shutdown(wait=False, cancel_futures=True)
@@ -413,14 +428,16 @@ def execute(config: dict[str, Any], out: str, name: str) -> dict[str, Any]:
     """Run (or resume) one run in this worker, exactly as ``feddomain run`` would; returns
     its headline numbers. A failure leaves its traceback in ``error.log`` beside the run."""
     _events.put((name, os.getpid()))
-    from feddomain.cli import run_experiment
+    from feddomain.api import run_experiment
     from feddomain.config import validate_config
 
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_LOG).unlink(missing_ok=True)
     try:
-        run_experiment(validate_config(config, source=name), run_dir, quiet=True, resume=True)
+        cfg = validate_config(config, source=name)
+        tracked = None if name == "." else f"{cfg.name}/{name}"  # each run its own tracked run
+        run_experiment(cfg, run_dir, quiet=True, resume=True, tracking_name=tracked)
     except Exception:
         (run_dir / ERROR_LOG).write_text(traceback.format_exc())
         raise
@@ -509,16 +526,3 @@ def _elapsed(state: RunState) -> str:
     if state.seconds is not None:
         return f"{state.seconds:.0f}s"
     return f"{time.time() - state.started:.0f}s" if state.started is not None else ""
-
-
-def _report(out: Path, finished: list[RunState], console: Console) -> None:
-    """``feddomain report OUT`` over the finished runs (none finished: nothing to report)."""
-    if not finished:
-        console.print("no run finished, so no report")
-        return
-    from feddomain.evaluation.report import build_report, write_outputs
-
-    report = build_report([out], selection="source_val")
-    write_outputs(report, out / "report")
-    print(report.to_markdown())
-    console.print(f"report (CSV and plots) written to {out / 'report'}")

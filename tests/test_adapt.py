@@ -235,3 +235,54 @@ def test_a_run_of_another_method_and_a_foreign_model_file_are_refused(tmp_path, 
     torch.save({"weights": torch.zeros(1)}, tmp_path / "foreign.pt")
     assert main(["evaluate", str(tmp_path / "foreign.pt"), str(pilot)]) == 2
     assert "is not a model file written by `feddomain adapt`" in said(capsys)
+
+
+def test_labelled_folders_with_some_classes_keep_the_models_class_order(
+    trained, tmp_path, capsys
+):
+    """Catches labels numbered by the class folders found instead of the model's class list:
+    a folder with two of the model's classes (the one it predicts most on the target, and
+    another) must score its predictions against those classes' own indices — numbered 0 and 1
+    by the folders found, the accuracy would be another. `evaluate` prints the accuracy
+    computed here from the model file's own head."""
+    from feddomain.adapt import features, read_images
+    from feddomain.federation.training import set_arrays
+    from feddomain.models.frozen import head_model
+
+    classes = trained["classes"]
+    model_file = tmp_path / "site.pt"
+    args = ["adapt", str(trained["run"]), "--pilot", str(trained["pilot"]), "--out"]
+    assert main([*args, str(model_file)]) == 0
+    said(capsys)
+    payload = load_model_file(model_file)
+    run = load_run(trained["run"])
+    m = run.cfg.model
+    head = head_model(
+        payload["n_features"], len(classes), hidden=m.head_hidden, adapter=m.head_adapter
+    )
+    set_arrays(head, payload["arrays"])
+
+    def predict(images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return head(features(run.cfg, images, len(classes))).argmax(1)
+
+    images = trained["target_images"]
+    labels = _raw_target(load_config(trained["root"] / "fedvr0.yaml"))[2]
+    top = int(predict(images).mode().values)
+    keep = sorted({top, (top + 3) % len(classes)})
+    chosen = torch.isin(labels, torch.tensor(keep))
+    folder = write_png_folder(tmp_path / "some", images[chosen], labels[chosen], classes)
+    assert sorted(p.name for p in folder.iterdir()) == [classes[k] for k in keep]
+
+    data = read_images(folder, 16, classes=classes, resize=False, what="image")
+    assert data.labels.unique().tolist() == keep
+    assert sorted(data.labels.tolist()) == sorted(labels[chosen].tolist())
+    predicted = predict(data.images)
+    accuracy = float((predicted == data.labels).double().mean())
+    by_folder = (data.labels == keep[1]).long()  # the labels a folder-order numbering gives
+    assert accuracy > 0 and accuracy != float((predicted == by_folder).double().mean())
+    assert main(["evaluate", str(model_file), str(folder)]) == 0
+    assert f"({len(data.labels)} images): accuracy {100 * accuracy:.1f}%" in said(capsys)
+
+    shots = read_images(folder, 16, classes=classes, resize=False, what="shots")
+    assert torch.equal(shots.labels, data.labels)  # `adapt --shots` reads them alike

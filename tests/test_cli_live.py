@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-import feddomain.cli
+import feddomain.api
 import feddomain.config
 from feddomain.cli import main
 from feddomain.config import default_threads
@@ -164,7 +164,7 @@ def test_a_resume_drops_the_rounds_logged_after_its_checkpoint(tmp_path, monkeyp
     reference = tmp_path / "reference"
     assert main(["run", str(config), "--out", str(reference), "--quiet"]) == 0
     out = tmp_path / "run"
-    monkeypatch.setattr(feddomain.cli, "_progress", _StopAtRound(3))
+    monkeypatch.setattr(feddomain.api, "_progress", _StopAtRound(3))
     assert main(["run", str(config), "--out", str(out)]) == 130
     assert f"the last checkpoint in {out} is kept" in " ".join(capsys.readouterr().err.split())
     assert [json.loads(x)["round"] for x in _lines(out / "rounds.jsonl")] == [1, 2, 3]

@@ -230,11 +230,12 @@ def test_run_level_numbers_and_selection_match_an_independent_reference(tmp_path
         }
         for field in ("ece", "nll", "brier"):
             exp[field] = _mean(_mean(c[d][field] for d in ("d0", "d1")) for c in ood)
-        # pooled reliability (15 bins) over every (client, target domain) prediction
+        # pooled reliability (15 bins) over every (client, target domain) prediction, each
+        # target image once: the three clients' distinct models count a third each
         conf = torch.cat([c[d]["conf"] for c in ood for d in ("d0", "d1")])
         correct = torch.cat([c[d]["correct"] for c in ood for d in ("d0", "d1")])
         bins = _bins(conf, 15)
-        exp["rel_count"] = [int((bins == b).sum()) for b in range(15)]
+        exp["rel_count"] = [pytest.approx(int((bins == b).sum()) / 3) for b in range(15)]
         exp["rel_conf"] = [
             float(conf[bins == b].mean()) if (bins == b).any() else 0.0 for b in range(15)
         ]
@@ -243,13 +244,18 @@ def test_run_level_numbers_and_selection_match_an_independent_reference(tmp_path
         ]
         # pooled 20-bin confidence histograms, id and ood
         hist = {}
-        for name, parts in (("id", ids), ("ood", [c[d] for c in ood for d in ("d0", "d1")])):
+        for name, parts, share in (
+            ("id", ids, 1),
+            ("ood", [c[d] for c in ood for d in ("d0", "d1")], 3),
+        ):
             cf = torch.cat([r["conf"] for r in parts])
             ok = torch.cat([r["correct"] for r in parts]).bool()
             hb = _bins(cf, 20)
             hist[name] = {
-                "correct": [int(((hb == b) & ok).sum()) for b in range(20)],
-                "incorrect": [int(((hb == b) & ~ok).sum()) for b in range(20)],
+                "correct": [pytest.approx(int(((hb == b) & ok).sum()) / share) for b in range(20)],
+                "incorrect": [
+                    pytest.approx(int(((hb == b) & ~ok).sum()) / share) for b in range(20)
+                ],
             }
         exp["hist"] = hist
         expected.append(exp)

@@ -111,6 +111,27 @@ def test_ga_weights_of_three_unequal_clients_by_hand():
     assert diag["step"] == pytest.approx(1 / 3, abs=1e-15)
 
 
+def test_step_is_the_official_schedule_two_rounds_later():
+    """Catches a decay schedule other than the documented one: the official script refines the
+    weights after its 0-based round i with step·(1 − (i − 1)/R) and aggregates round i + 1 with
+    them, so its aggregation of 0-based round j steps by step·(1 − (j − 2)/R); our 1-based round
+    r (j = r − 1) takes the official step of j + 2 (fisc.md §6's shift), down to d₀/R at r = R."""
+    rounds, d0 = 10, 0.2
+
+    def official(j: int) -> float:
+        i = j - 1  # the round after which the official script refined the weights
+        return d0 - (i - 1) * (d0 / rounds)  # args.step_size - (i-1)*step_size_decay
+
+    server = _server(rounds=rounds, d0=d0)
+    for rnd in range(1, rounds + 1):
+        losses = (1.0 + 0.1 * rnd, 0.5), (0.7, 0.6 - 0.01 * rnd), (0.9, 0.2)
+        _round(server, rnd, [(n, 1.0, g, ll) for n, (g, ll) in zip((6, 3, 1), losses, strict=True)])
+        if rnd >= 2:
+            step = server.diagnostics()["ga"]["step"]
+            assert step == pytest.approx(official(rnd - 1 + 2), abs=1e-15), rnd
+    assert step == pytest.approx(d0 / rounds, abs=1e-15)
+
+
 def test_uniform_initial_weights_are_the_official_one_over_k():
     """Catches ``initial_weights: uniform`` still weighting by samples."""
     server = _server(rounds=4, d0=1 / 3, initial_weights="uniform")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -692,3 +693,32 @@ def test_the_server_s_weights_and_coefficients_are_recorded_every_round(tmp_path
     spreads = [r["server"]["embedding_l2_mean"] for r in rounds]
     assert len(set(spreads)) == 3
     assert spreads[2] == last["diagnostics"]["embedding_l2_mean"]
+
+
+def test_the_share_of_rounds_one_client_dominates_alpha_is_logged(tmp_path: Path) -> None:
+    """Catches a dominance count that misses a round, counts α = 1/3 each as dominated, or is
+    lost from the summary: τ = 10 with batch-loss variances (0, .5, .5) gives client 0
+    α = 1/(1 + 2e⁻⁵) ≈ 0.987, equal variances α = 1/3 each, (.2, .2, 0) client 2 1/(1 + 2e⁻²);
+    so rounds 1 and 3 of 3 are dominated (share 2/3)."""
+    server = make_server(tau=10.0, lambda_var=0.0)
+    set_statistics(server)
+    rounds = [([0.0, 0.5, 0.5], True), ([0.1, 0.1, 0.1], False), ([0.2, 0.2, 0.0], True)]
+    for rnd, (variances, dominated) in enumerate(rounds, start=1):
+        deltas = random_deltas(server, seed=rnd)
+        server.aggregate(rnd, iter((c, reply(deltas[c], 1.0, variances[c])) for c in range(3)))
+        record = server.round_record()
+        assert record["alpha_dominated"] is dominated, rnd
+        assert record["alpha_dominated_rounds"] == sum(d for _, d in rounds[:rnd])
+    assert max(server.round_log["alpha"]) == pytest.approx(1 / (1 + 2 * math.exp(-2)), abs=1e-12)
+    assert server.run_summary()["alpha_dominated_share"] == pytest.approx(2 / 3, abs=1e-15)
+
+    sim = run_sim(frozen_config(tmp_path, rounds=3), tmp_path / "run")
+    logged = [
+        json.loads(line)["server"]["alpha_dominated"]
+        for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+        if json.loads(line)["round"] >= 1 and "server" in json.loads(line)
+    ]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(logged) == 3
+    assert summary["server"]["alpha_dominated_share"] == pytest.approx(sum(logged) / 3)
+    assert summary["server"] == sim.server.run_summary()

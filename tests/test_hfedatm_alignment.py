@@ -147,6 +147,33 @@ def test_a2_literal_mode_is_not_function_preserving():
     torch.testing.assert_close(literal["featurizer.conv1.weight"], a["featurizer.conv1.weight"])
 
 
+def test_the_server_merges_each_station_with_its_grams_permuted_along():
+    """Catches a merge that aligns a station's weights but feeds RegMean its Grams in the
+    unaligned order: two genuinely different LeNet-5 stations A and B (they stay different
+    after alignment, so RegMean's solve depends on the Grams); handing the server B permuted
+    together with its Grams must give the same merged model as B itself, and handing it the
+    permuted B with B's unpermuted Grams must not."""
+    model = make_model("lenet5", seed=0)
+    spec = permutation_spec(model)
+    gen = torch.Generator().manual_seed(7)
+    a, b = get_arrays(model), get_arrays(make_model("lenet5", seed=5))
+    a_grams, b_grams = random_grams(model, gen), random_grams(model, gen)
+    b_perm, b_perm_grams = apply_permutations(spec, b, b_grams, random_perms(spec, gen))
+    assert any(not torch.equal(b_perm[k], b[k]) for k in b)
+    assert any(not torch.equal(b_perm_grams[k], b_grams[k]) for k in b_grams)
+    hp = {"fot_solver": "exact", "regmean": True}
+    plain = merged(server_for(model, 2, **hp), [(a, a_grams, 3), (b, b_grams, 5)])
+    permuted = merged(server_for(model, 2, **hp), [(a, a_grams, 3), (b_perm, b_perm_grams, 5)])
+    for k in a:
+        torch.testing.assert_close(permuted[k], plain[k], atol=1e-6, rtol=0)
+    # the stations do not become one model after alignment, and the Grams matter: fc1's
+    # input is conv2's permuted output, so its Gram is the one that moves with B
+    dense = "featurizer.fc1.weight"
+    assert (plain[dense] - a[dense]).abs().max() > 1e-2
+    stale = merged(server_for(model, 2, **hp), [(a, a_grams, 3), (b_perm, b_grams, 5)])
+    assert (stale[dense] - plain[dense]).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize(
     "hp",
     [

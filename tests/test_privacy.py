@@ -203,6 +203,27 @@ def test_a_client_sending_anything_undeclared_stops_the_run_by_name(
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("declared", "message"),
+    [
+        ({}, r"not declared and has one row per training sample"),
+        ({"loss_per_image": (None,)}, r"per-sample leading dimension \(12 training samples\)"),
+    ],
+    ids=["undeclared", "free-length"],
+)
+def test_a_1d_statistic_with_one_value_per_training_sample_is_refused(declared, message):
+    """Catches a per-sample check that looks for rows of a matrix only: a vector of one value
+    per training sample (each image's loss, say) is per-sample data too, whether undeclared or
+    declared with a free length; the same vector one value longer is an ordinary statistic."""
+    check = UploadCheck("m", Uploads(statistics=declared), {"fc.weight": torch.Size([4, 3])})
+    per_image = Message("fit", {"loss_per_image": torch.rand(12)})
+    sent = r"client 3 sent array 'loss_per_image' \[12\]"
+    with pytest.raises(PrivacyViolation, match=f"{sent}.*{message}"):
+        check.check(3, per_image, n_samples=12)
+    if declared:
+        check.check(3, Message("fit", {"loss_per_image": torch.rand(13)}), n_samples=12)
+
+
 def test_a_model_array_of_the_wrong_shape_is_refused():
     """Catches: a model-named array used to smuggle other data under the model's name."""
     check = UploadCheck("m", Uploads(model=("*",)), {"fc.weight": torch.Size([4, 3])})

@@ -176,6 +176,47 @@ def test_interpolation_style_is_the_lower_median_of_cluster_means():
     np.testing.assert_allclose(torch.cat([mean2, std2]).numpy(), even, rtol=1e-6)
 
 
+def test_interpolation_style_takes_the_finest_of_several_finch_levels():
+    """Catches a median over the coarsest (or any other than the finest) FINCH partition: 12
+    clients in four noisy style families (3 each), where FINCH returns two levels (the four
+    families, then two groups) and the two medians differ (fisc.md §3.3 B2: c[:, 0])."""
+    rng = np.random.default_rng(1)
+    centres = np.abs(rng.normal(size=(4, 10)))
+    centres[np.arange(4), np.arange(4)] += 4.0
+    noisy = np.repeat(centres, 3, axis=0) + 0.3 * np.abs(rng.normal(size=(12, 10)))
+    rows = torch.tensor(noisy, dtype=torch.float32)
+    families = np.repeat(np.arange(4), 3)
+    levels = finch_partitions(rows)
+    assert levels.shape[1] == 2 and same_partition(levels[:, 0], families)
+    values = rows.double().numpy()
+    means = np.stack([values[families == k].mean(0) for k in range(4)])
+    expected = np.sort(means, axis=0)[1]  # four clusters: the lower of the two middle values
+    coarse = levels[:, 1]
+    coarse_means = np.stack([values[coarse == k].mean(0) for k in np.unique(coarse)])
+    assert not np.allclose(np.sort(coarse_means, axis=0)[0], expected)
+    mean, std, count = interpolation_style(rows)
+    assert count == 4
+    np.testing.assert_allclose(torch.cat([mean, std]).numpy(), expected, rtol=1e-6)
+
+
+def test_client_style_runs_finch_without_early_exit(monkeypatch):
+    """Catches a client style clustered with FINCH's early exit on: FISC's release calls FINCH
+    with ``ensure_early_exit=False`` on a client's images (as FPL's does). (With finch-clust
+    0.2.3 and SciPy 1.17 the flag changes no partition — the links it cuts stay as explicit
+    zeros, which SciPy's connected components still follow — so the call itself is checked.)"""
+    import feddomain.style.statistics as statistics
+
+    calls = []
+
+    def spy(rows, *, early_exit=True):
+        calls.append(early_exit)
+        return finch_partitions(rows, early_exit=early_exit)
+
+    monkeypatch.setattr(statistics, "finch_partitions", spy)
+    client_style(torch.cat([coloured_features(6, RED), coloured_features(6, BLUE, seed=1)]))
+    assert calls == [False]
+
+
 def test_interpolation_style_is_invariant_to_client_order():
     """Catches: a result that depends on which client replied first (§8.5)."""
     rows = torch.tensor(np.abs(blobs((6, 4, 2), dim=10, seed=3)[0]), dtype=torch.float32)

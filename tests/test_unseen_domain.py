@@ -201,7 +201,8 @@ def test_the_pilot_set_is_seeded_disjoint_sized_and_the_same_for_every_method() 
 
 def test_enabling_the_pilot_removes_exactly_its_images_from_evaluation(tmp_path: Path) -> None:
     """Catches: a pilot that changes training or scores a number of target images other than
-    the domain's minus the pilot's (FedAvg: 3 clients share one model, each scored)."""
+    the domain's minus the pilot's (FedAvg: 3 clients share one model, each image counted
+    once)."""
     runs = {
         f: run_sim(tiny_config(rounds=1, split__pilot_fraction=f), tmp_path / str(f))
         for f in (0.0, 0.25)
@@ -209,7 +210,7 @@ def test_enabling_the_pilot_removes_exactly_its_images_from_evaluation(tmp_path:
     for name, value in runs[0.0].server.global_arrays.items():
         assert torch.equal(runs[0.25].server.global_arrays[name], value), name
     counts = {f: sum(s.records[-1]["calibration"]["reliability"]["count"]) for f, s in runs.items()}
-    assert counts == {0.0: 3 * 40, 0.25: 3 * 30}
+    assert counts == {0.0: 40, 0.25: 30}
     assert runs[0.25].records[-1]["id_acc"] == runs[0.0].records[-1]["id_acc"]
 
 
@@ -379,3 +380,19 @@ def test_a_method_without_an_unseen_domain_model_is_scored_by_its_clients_models
     lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
     assert all(json.loads(line).get("task") != "pilot" for line in lines)
     assert sim.server.eval_arrays(None) is None
+
+
+@pytest.mark.parametrize("method", ["fedavg", "local"])
+def test_summary_reliability_counts_each_target_image_once(tmp_path: Path, method: str) -> None:
+    """Catches pooled ood counts that add a model's results once per client: FedAvg's one
+    shared model and Local's three distinct models alike count the 40 target images once (a
+    third each for Local), in the reliability bins and the ood confidence histogram."""
+    sim = run_sim(tiny_config(rounds=1, algorithm={"name": method}), tmp_path / method)
+    summary = json.loads((tmp_path / method / "summary.json").read_text())
+    assert len(sim.data.targets["d0"]) == 40
+    assert sum(summary["reliability"]["ood"]["count"]) == pytest.approx(40, abs=1e-9)
+    hist = summary["confidence_hist"]["ood"]
+    assert sum(hist["correct"]) + sum(hist["incorrect"]) == pytest.approx(40, abs=1e-9)
+    assert sum(summary["confidence_hist"]["id"]["correct"]) + sum(
+        summary["confidence_hist"]["id"]["incorrect"]
+    ) == sum(len(v) for v in sim.data.val)

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from feddomain.algorithms.space import Space
 from feddomain.errors import ConfigError
 from feddomain.federation.batched import FunctionalRegularizer, OptimizerSettings, fit_clients
 from feddomain.federation.data import ClientData
@@ -285,6 +286,11 @@ class ServerAlgorithm(ABC):
         (rounds.jsonl every round; metrics.jsonl at evaluated rounds). None by default."""
         return {}
 
+    def run_summary(self) -> dict[str, Any]:
+        """What the server's whole run comes to (FedVR: the share of rounds one client held
+        more than half of α), written as ``server`` to ``summary.json``. None by default."""
+        return {}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -430,8 +436,10 @@ class MethodSpec:
     shrinkage at the stations), so any client method keeps its own logic underneath.
     ``batchable``: its client part's "fit" is the plain step and implements ``run_batch``, so a
     round's clients may be trained together (``train.batched_clients``); not inherited by a
-    method whose client subclasses it. ``uses_total_rounds``: its updates depend on the run's
-    total rounds (FedDG-GA's decaying step), so a finished run cannot be extended to more."""
+    method whose client subclasses it. ``space``: the hyper-parameters ``feddomain tune``
+    searches and their ranges (``algorithms/space.py``), checked at registration.
+    ``uses_total_rounds``: its updates depend on the run's total rounds (FedDG-GA's decaying
+    step), so a finished run cannot be extended to more."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -446,6 +454,7 @@ class MethodSpec:
     client_wrapper: ClientWrapper | None = None
     station_wrapper: StationWrapper | None = None
     batchable: bool = False
+    space: Space = field(default_factory=dict)
     uses_total_rounds: bool = False  # its updates depend on `rounds`: a run is not extensible
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:

@@ -19,6 +19,7 @@ from torch import nn
 
 from feddomain.algorithms.base import Arrays, ClientContext, MethodSpec
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import Int, Uniform
 from feddomain.algorithms.styled import (
     MEAN,
     STD,
@@ -90,5 +91,6 @@ register(
             "(Chen et al., WACV 2023)"
         ),
         check_config=check_style_config,
+        space={"styles_per_client": Int(1, 3), "alpha": Uniform(0.2, 1.0)},  # CCST's K, AdaIN α
     )
 )

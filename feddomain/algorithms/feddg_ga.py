@@ -26,8 +26,11 @@ CHOICES (with the official code's alternative as an option where it matters):
 - Gaps are LOSS gaps (fisc.md: "loss-based fairness"; the official script's default is accuracy,
   its ``--fair loss`` is this); a larger gap means more weight.
 - ``d0`` default 1/3 (FISC's code); the official code steps by 0.2·(1/3) ≈ 0.0667 (``d0:
-  0.0666667``) and decays it as (1 − (i − 1)/R) over its 0-based round i, which we read as the
-  linear decay above.
+  0.0666667``). Its decay is not the one above: after its 0-based round i it refines the weights
+  with (1 − (i − 1)/R)·d₀, and they aggregate round i + 1, so the step of the aggregation of
+  0-based round j is (1 − (j − 2)/R)·d₀ (1 + 1/R at j = 1). d_r above (1-based r, j = r − 1) is
+  that schedule shifted by two rounds — each round takes the step the official code takes two
+  rounds later — as fisc.md §6 chooses (FISC's ``(1 − flr/R)·step``).
 - ``initial_weights: samples`` (default) starts from FedAvg's weights n_i, so d₀ = 0 is FedAvg bit
   for bit; ``uniform`` is the official code's 1/K.
 - ``gap_split: train`` (default; FISC) measures both losses on the client's training data;
@@ -56,6 +59,7 @@ from torch import nn
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, ServerContext
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -238,5 +242,6 @@ register(
         ),
         check_config=check_config,
         uses_total_rounds=True,  # the step size decays over the run's rounds
+        space={"d0": LogUniform(1 / 30, 1.0)},  # x/10 .. x3 around FISC's 1/3 (official 0.0667)
     )
 )

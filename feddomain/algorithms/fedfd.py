@@ -60,6 +60,7 @@ from feddomain.algorithms.base import (
 from feddomain.algorithms.layout import LayoutClient, LayoutServer, LayoutStation
 from feddomain.algorithms.registry import register
 from feddomain.algorithms.silobn import needs_batchnorm_statistics
+from feddomain.algorithms.space import LogUniform
 from feddomain.federation.layout import (
     LOCAL,
     StateLayout,
@@ -123,6 +124,10 @@ class FedFDHparams(Hparams):
         if value and info.data.get("u") is not None:
             raise ValueError("draws u per sample, so algorithm.u must be unset (random u)")
         return value
+
+
+# fedfda.md §4 fixes both loss weights at 1 (a CHOICE, no grid): x/10 .. x10 around it
+FEDFD_SPACE = {"lambda_feature": LogUniform(0.1, 10.0), "lambda_classifier": LogUniform(0.1, 10.0)}
 
 
 def diversify_mode(hp: FedFDHparams) -> BNMode:
@@ -339,5 +344,6 @@ register(
         "global BatchNorm statistics, with client-agnostic losses (Yang et al., ECCV 2024)",
         model_hook=fedfd_model,
         check_config=check("fedfd"),
+        space=FEDFD_SPACE,
     )
 )

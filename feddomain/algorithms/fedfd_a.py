@@ -35,6 +35,7 @@ from torch.func import functional_call
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec
 from feddomain.algorithms.fedfd import (
     ADAPTER_TERMS,
+    FEDFD_SPACE,
     TERMS,
     FedFDClient,
     FedFDHparams,
@@ -46,6 +47,7 @@ from feddomain.algorithms.fedfd import (
     prepare_model,
 )
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.federation.messages import Message
 from feddomain.federation.training import (
     LossFn,
@@ -155,5 +157,6 @@ register(
         "mixes instance and global statistics per test sample (Yang et al., ECCV 2024)",
         model_hook=fedfd_a_model,
         check_config=check("fedfd_a"),
+        space={**FEDFD_SPACE, "adapter_lr_mult": LogUniform(1.0, 100.0)},  # fedfda.md §4 F6
     )
 )

@@ -45,6 +45,7 @@ from pydantic import Field
 from feddomain.algorithms.base import MethodSpec, ServerContext
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform, Uniform
 from feddomain.federation.messages import Message, flatten, unflatten, weighted_mean
 
 
@@ -121,5 +122,7 @@ register(
             "FedGMA: FedAvg with the server step masked by the clients' per-coordinate sign "
             "agreement (Tenison et al., TMLR 2023)"
         ),
+        # hfedf.md Table 10 grids {0.3, 0.5, 0.7} and {1e-2, 1e-1, 1} (fisc.md §6: 0.4, 1)
+        space={"tau": Uniform(0.3, 0.7), "server_lr": LogUniform(1e-2, 1.0)},
     )
 )

@@ -57,6 +57,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
@@ -287,5 +288,6 @@ register(
         description="FedIIR: FedAvg with a penalty pulling each client's classifier gradient "
         "to an EMA of the federation's mean (Guo et al., ICML 2023)",
         model_hook=_require_split,
+        space={"gamma": LogUniform(1e-4, 1e-2)},  # x/10 .. x10 around FL-bench's 1e-3
     )
 )

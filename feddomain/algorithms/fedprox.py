@@ -14,6 +14,7 @@ from feddomain.algorithms.fedavg import (
     FedAvgServer,
 )
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.federation.batched import FunctionalRegularizer
 from feddomain.federation.messages import Message
 
@@ -52,5 +53,6 @@ register(
         FedProxHparams,
         description="FedProx: FedAvg + proximal term mu/2 ||w - w_g||^2 (Li et al., MLSys 2020)",
         batchable=True,
+        space={"mu": LogUniform(1e-3, 1.0)},  # hfedf.md Table 10 grid; hfedatm.md: 1.0
     )
 )

@@ -44,6 +44,7 @@ from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, Statio
 from feddomain.algorithms.fedavg import FedAvgClient
 from feddomain.algorithms.hfedatm import HFedAvgServer, station_layer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
@@ -202,6 +203,7 @@ register(
         description="FedRC (Gaussian): clients and stations summarise their data as diagonal "
         "Gaussians, and both tiers weigh models by n·exp(−Bhattacharyya distance to the "
         "barycentre/τ) (Kou et al., IROS 2024)",
+        space={"tau": LogUniform(0.1, 10.0)},  # x/10 .. x10 around HFedATM's code's τ = 1
         station_wrapper=station_layer,
     )
 )

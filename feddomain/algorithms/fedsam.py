@@ -39,6 +39,7 @@ from torch import nn
 from feddomain.algorithms.base import ClientContext, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.federation.messages import Message
 from feddomain.federation.training import LossFn, cross_entropy_loss
 
@@ -105,5 +106,6 @@ register(
             "FedSAM: FedAvg with sharpness-aware (SAM) local minimisation, radius rho "
             "(Caldarola et al., ECCV 2022; Qu et al., ICML 2022)"
         ),
+        space={"rho": LogUniform(5e-3, 0.5)},  # x/10 .. x10 around the papers' 0.05
     )
 )

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.federation.messages import Message
 from feddomain.federation.training import LossFn
@@ -258,5 +259,7 @@ register(
         description="FedSR: probabilistic representation with L2R and CMI regularisers, FedAvg "
         "aggregation (Nguyen, Torr & Lim, NeurIPS 2022)",
         model_hook=probabilistic_head,
+        # L2R: hfedf.md Table 10 grid {1e-3, 1e-2, 1e-1}; CMI: x/10 .. x10 around 5e-4
+        space={"alpha_l2r": LogUniform(1e-3, 1e-1), "alpha_cmi": LogUniform(5e-5, 5e-3)},
     )
 )

@@ -47,6 +47,7 @@ from feddomain.algorithms.hfedf import (
     SynchronousServer,
 )
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform, Space
 from feddomain.errors import ConfigError, DataError, FeddomainError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -57,6 +58,7 @@ log = logging.getLogger("feddomain")
 
 STATS_TASK = "stats"
 STATS_ARRAY = "feature_stats"
+DOMINANT_SHARE = 0.5  # a client holding more than this share of α dominates the round
 
 
 class FedVRHparams(SynchronousHparams):
@@ -68,8 +70,9 @@ class FedVRHparams(SynchronousHparams):
     """Width of the hypernetwork's trunk (CHOICE: 100)."""
     server_optimizer: Literal["adam", "sgd"] = "sgd"
     """Plain SGD on ψ and φ (the paper's Algorithm 1, step 12)."""
-    lr_s: float = Field(1e-2, gt=0.0)
-    """Server learning rate η (our choice; the paper searched 1e-1, 1e-2, 1e-3)."""
+    lr_s: float = Field(1e-1, gt=0.0)
+    """Server learning rate η (CHOICE 0.1: 1e-2 moved each generated model only 1-2% of the way
+    along its client's update; the tuning grid is 3e-2 .. 1)."""
     wd_s: float = Field(0.0, ge=0.0)
     """Server weight decay (none in the paper)."""
     gradalign: bool = False
@@ -248,6 +251,8 @@ class FedVRServer(SynchronousServer):
         super().__init__(ctx, hp)
         self.pilot: dict[str, Tensor] = {}
         self.round_log: dict[str, Any] = {}
+        self.weighted_rounds = 0  # rounds whose step weighed the clients by α
+        self.dominated_rounds = 0  # ... in which one client held more than half of α
 
     def make_encoder(self, model: nn.Module) -> DomainEncoder | None:
         if self.hp.conditioning == "table":
@@ -310,6 +315,9 @@ class FedVRServer(SynchronousServer):
         """§5.3, §5.5, §5.9: L_var, L̄_i, V_i, α_i, c_i (warning when one is negative) and the
         gradient-alignment cosines of this round's step."""
         l_var = float(((losses - losses.mean()) ** 2).mean())
+        dominated = float(alpha.max()) > DOMINANT_SHARE
+        self.weighted_rounds += 1
+        self.dominated_rounds += int(dominated)
         min_c = float(coefficients.min())
         if min_c < 0:
             log.warning("fedvr: a negative client coefficient c_i = %.4f this round", min_c)
@@ -319,6 +327,8 @@ class FedVRServer(SynchronousServer):
             "loss_mean": losses.tolist(),
             "loss_batch_var": variances.tolist(),
             "alpha": alpha.tolist(),
+            "alpha_dominated": dominated,
+            **self.dominance(),
             "coef": coefficients.tolist(),
             "coef_min": min_c,
             **cosine_diagnostics(grads.theta_gram(), coefficients),
@@ -363,6 +373,15 @@ class FedVRServer(SynchronousServer):
     def diagnostics(self) -> dict[str, Any]:
         return {**super().diagnostics(), **self.round_log, **self.geometry()}
 
+    def dominance(self) -> dict[str, Any]:
+        """The share of the rounds so far in which one client held more than half of α (τ too
+        large makes α winner-take-all: one client's update is then the step)."""
+        share = self.dominated_rounds / self.weighted_rounds if self.weighted_rounds else 0.0
+        return {"alpha_dominated_rounds": self.dominated_rounds, "alpha_dominated_share": share}
+
+    def run_summary(self) -> dict[str, Any]:
+        return {**super().run_summary(), **self.dominance()}
+
     @torch.no_grad()
     def geometry(self) -> dict[str, Any]:
         """The clients' embeddings' spread, and the zero-shot embedding once a pilot set is in."""
@@ -374,12 +393,18 @@ class FedVRServer(SynchronousServer):
         return out if new is None else {**out, "zero_shot_embedding": new.tolist()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "pilot": self.pilot, "round_log": self.round_log}
+        return {
+            **super().state_dict(),
+            "pilot": self.pilot,
+            "round_log": self.round_log,
+            "alpha_rounds": (self.weighted_rounds, self.dominated_rounds),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.pilot = dict(state["pilot"])
         self.round_log = state["round_log"]
+        self.weighted_rounds, self.dominated_rounds = state["alpha_rounds"]
 
 
 # ----------------------------------------------------------------------------- client
@@ -463,6 +488,19 @@ _VARIANTS: list[tuple[str, type[FedVRHparams], str]] = [
     ("fedvr_mean_std_stats", MeanStdHparams, "FedVR whose encoder reads feature mean and std"),
 ]
 
+
+def fedvr_space(hparams: type[FedVRHparams]) -> Space:
+    """fedvr.md §4 (corrected): η over {3e-2, 1e-1, 3e-1, 1}, τ over {0.3, 1, 3, 10}, λ_var
+    over {0.1, 0.5, 1.0}, as log ranges; an ablation that fixes τ or λ_var at 0 leaves it out."""
+    fixed = hparams()
+    space: dict = {"lr_s": LogUniform(3e-2, 1.0)}
+    if fixed.tau > 0:
+        space["tau"] = LogUniform(0.3, 10.0)
+    if fixed.lambda_var > 0:
+        space["lambda_var"] = LogUniform(0.1, 1.0)
+    return space
+
+
 for _name, _hparams, _description in _VARIANTS:
     register(
         MethodSpec(
@@ -472,5 +510,6 @@ for _name, _hparams, _description in _VARIANTS:
             _hparams,
             description=_description,
             check_config=check_config,
+            space=fedvr_space(_hparams),
         )
     )

@@ -29,6 +29,7 @@ from torch import nn
 
 from feddomain.algorithms.base import Arrays, ClientContext, Hparams, MethodSpec
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.algorithms.styled import (
     MEAN,
     STD,
@@ -151,5 +152,10 @@ register(
         ),
         model_hook=fisc_model,
         check_config=check_style_config,
+        space={  # x/10 .. x10 around fisc.md §4 (PACS), which gives values and no grid
+            "lambda_con": LogUniform(0.075, 7.5),
+            "lambda_reg": LogUniform(0.02, 2.0),
+            "margin": LogUniform(0.03, 2.0),  # 2: the largest distance of unit vectors
+        },
     )
 )

@@ -27,6 +27,7 @@ from torch import nn
 from feddomain.algorithms.base import ClientContext, Hparams, MethodSpec, ServerContext
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.clustering import cluster_means, finch_partitions
 from feddomain.federation.messages import Message, weighted_mean
 from feddomain.federation.privacy import Uploads
@@ -170,5 +171,6 @@ register(
         description=(
             "FPL: FINCH-clustered class prototypes, InfoNCE + MSE to them (Huang et al., CVPR 2023)"
         ),
+        space={"temperature": LogUniform(2e-3, 0.2)},  # x/10 .. x10 around fisc.md §6's 0.02
     )
 )

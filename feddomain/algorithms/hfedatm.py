@@ -57,6 +57,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.algorithms.fedavg import FedAvgClient
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform, Uniform
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
@@ -487,5 +488,7 @@ register(
         check_config=check_config,
         client_wrapper=gram_client,
         station_wrapper=station_layer,
+        # around hfedatm.md §4's PAPER values 0.75 and 0.05 (no grid given)
+        space={"alpha": Uniform(0.5, 1.0), "sinkhorn_reg": LogUniform(5e-3, 0.5)},
     )
 )

@@ -41,6 +41,7 @@ from feddomain.algorithms.base import (
     ServerContext,
 )
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform, Space, Uniform
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
@@ -754,5 +755,15 @@ _VARIANTS: list[tuple[str, type[HFedFHparams], str]] = [
     ("hfedf_ae_embed", AeEmbedHparams, "hFedF with fixed autoencoder embeddings"),
 ]
 
+# hfedf.md §4, PAPER Table 10 grids: lr_s {1e-1, 1e-2, 1e-3}, wd_s {1e-3, 1e-4, 1e-5}, α_ema
+# {0.75, 0.85, 0.95}; α_ema only where the EMA runs
+HFEDF_SPACE: Space = {"lr_s": LogUniform(1e-3, 1e-1), "wd_s": LogUniform(1e-5, 1e-3)}
+EMA_SPACE: Space = {"ema_alpha": Uniform(0.75, 0.95)}
+
 for _name, _hparams, _description in _VARIANTS:
-    register(MethodSpec(_name, HFedFServer, HFedFClient, _hparams, description=_description))
+    _space = {**HFEDF_SPACE, **(EMA_SPACE if _hparams().ema else {})}
+    register(
+        MethodSpec(
+            _name, HFedFServer, HFedFClient, _hparams, description=_description, space=_space
+        )
+    )

@@ -45,7 +45,9 @@ from torch import nn
 from feddomain.algorithms.base import Hparams, MethodSpec, model_requirement
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgHparams, FedAvgServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform, Uniform
 from feddomain.errors import ConfigError
+from feddomain.models.base import warn_small_instance_map
 
 
 class MixStyleHparams(FedAvgHparams):
@@ -90,9 +92,10 @@ def mix_styles(x: torch.Tensor, lam: torch.Tensor, perm: torch.Tensor, eps: floa
 class MixStyle(nn.Module):
     """The MixStyle layer: ``mix_styles`` with probability ``p`` in training, else identity."""
 
-    def __init__(self, p: float, alpha: float, eps: float = 1e-6) -> None:
+    def __init__(self, p: float, alpha: float, eps: float = 1e-6, where: str = "MixStyle") -> None:
         super().__init__()
         self.p, self.alpha, self.eps = p, alpha, eps
+        self.where = where  # for messages
 
     def extra_repr(self) -> str:
         return f"p={self.p}, alpha={self.alpha}, eps={self.eps}"
@@ -100,6 +103,7 @@ class MixStyle(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        warn_small_instance_map(self, self.where, x.shape[2], x.shape[3])
         if self.p < 1.0 and float(torch.rand(())) >= self.p:
             return x
         batch = x.shape[0]
@@ -121,7 +125,8 @@ def chosen_stages(model: nn.Module, hp: MixStyleHparams) -> tuple[str, ...]:
     stages = tuple(getattr(model, "stages", ()))
     if hp.blocks is None:
         return stages[:-1]
-    return tuple(stages[b - 1] for b in hp.blocks)
+    cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail numbers stages on from it
+    return tuple(stages[b - cut - 1] for b in hp.blocks)
 
 
 def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
@@ -129,6 +134,14 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
     stages = tuple(getattr(model, "stages", ()))
     blocks = getattr(hp, "blocks", None)
     known = "small_cnn, lenet5, resnet18, resnet50 and efficientnet_lite0 declare them; not frozen"
+    cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail: the model's stages cut+1..
+    inside = [b for b in blocks or range(1, cut + len(stages)) if b <= cut]
+    if inside:
+        return (
+            f"has MixStyle after stages {inside}, inside the frozen prefix "
+            f"(model.frozen_prefix = {cut}): its random mixing there cannot be cached; set "
+            f"algorithm.blocks to stages after {cut}"
+        )
     if not stages:
         return (
             "inserts MixStyle after the model's convolutional stages, and this model declares "
@@ -139,10 +152,11 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
             f"inserts MixStyle after every convolutional stage but the last, and this model has "
             f"only {len(stages)}: set algorithm.blocks"
         )
-    if blocks is not None and max(blocks) > len(stages):
+    if blocks is not None and max(blocks) > cut + len(stages):
+        listed = ", ".join(stages) + (f" after the first {cut}" if cut else "")
         return (
-            f"has algorithm.blocks = {list(blocks)}, and this model has {len(stages)} "
-            f"convolutional stages ({', '.join(stages)})"
+            f"has algorithm.blocks = {list(blocks)}, and this model has {cut + len(stages)} "
+            f"convolutional stages ({listed})"
         )
     return None
 
@@ -153,7 +167,7 @@ def insert_mixstyle(model: nn.Module, hp: Hparams) -> nn.Module:
     assert isinstance(hp, MixStyleHparams)
     layers = nn.ModuleList()
     for name in chosen_stages(model, hp):
-        layer = MixStyle(hp.p, hp.alpha, hp.eps)
+        layer = MixStyle(hp.p, hp.alpha, hp.eps, where=f"MixStyle after {name!r}")
         model.get_submodule(name).register_forward_hook(layer.after)
         layers.append(layer)
     model.mixstyle = layers
@@ -174,5 +188,6 @@ register(
         "samples after early conv stages (Zhou et al., ICLR 2021)",
         model_hook=insert_mixstyle,
         check_config=model_requirement("mixstyle", stage_problem),
+        space={"p": Uniform(0.1, 0.9), "alpha": LogUniform(0.01, 1.0)},  # MixStyle: 0.5, 0.1
     )
 )

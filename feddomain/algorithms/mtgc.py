@@ -62,6 +62,7 @@ from feddomain.algorithms.base import (
 from feddomain.algorithms.fedavg import FedAvgClient
 from feddomain.algorithms.hfedatm import HFedAvgServer, station_layer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import Uniform
 from feddomain.errors import ConfigError
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
@@ -246,6 +247,8 @@ register(
         description="MTGC: hierarchical FedAvg with local steps corrected towards the station's "
         "gradient (z_i) and the station's towards the global one (y_j) (Fang et al., NeurIPS 2024)",
         check_config=check_config,
+        # the full correction (1, the official code's) down to none (0: hierarchical FedAvg)
+        space={"client_correction": Uniform(0.0, 1.0), "station_correction": Uniform(0.0, 1.0)},
         station_wrapper=station_layer,
     )
 )

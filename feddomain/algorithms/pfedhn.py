@@ -18,6 +18,7 @@ from pydantic import Field
 from feddomain.algorithms.base import MethodSpec
 from feddomain.algorithms.hfedf import HypernetworkClient, HypernetworkHparams, HypernetworkServer
 from feddomain.algorithms.registry import register
+from feddomain.algorithms.space import LogUniform
 from feddomain.federation.messages import Message
 
 
@@ -59,5 +60,6 @@ register(
             "pFedHN: hypernetwork updated after each client, in a random order "
             "(Shamsian et al., ICML 2021)"
         ),
+        space={"lr_s": LogUniform(1e-3, 1e-1), "wd_s": LogUniform(1e-5, 1e-3)},  # hfedf.md T.10
     )
 )

@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from pydantic import ValidationError
 
-from feddomain.algorithms.base import Hparams, Method, MethodSpec
+from feddomain.algorithms.base import (
+    ClientAlgorithm,
+    Hparams,
+    Method,
+    MethodSpec,
+    ServerAlgorithm,
+    StationAlgorithm,
+)
+from feddomain.algorithms.space import check_space
 from feddomain.config import closest
 from feddomain.errors import ConfigError
 
@@ -15,10 +24,56 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` under its name, once its parts and its search space are checked: built-in
+    methods and plug-ins (docs/plugins.md) alike. A ``ConfigError`` names the method and what is
+    wrong."""
+    problem = _spec_problem(spec)
+    if problem:
+        raise ConfigError(f"method {spec.name!r} cannot be registered: {problem}")
     if spec.name in METHODS:
-        raise ValueError(f"method {spec.name!r} is registered twice")
+        taken = METHODS[spec.name].server.__module__
+        raise ConfigError(f"method {spec.name!r} is already registered (by {taken})")
+    try:
+        check_space(spec.name, spec.hparams, spec.space)
+    except ValueError as err:
+        raise ConfigError(f"method {spec.name!r} cannot be registered: {err}") from err
     METHODS[spec.name] = spec
     return spec
+
+
+def _spec_problem(spec: MethodSpec) -> str | None:
+    """What is wrong with a method's declaration, or None: its name, its parts' types, the
+    privacy declaration of its client (``uploads``), its hyper-parameter model."""
+    if not isinstance(spec.name, str) or not spec.name.strip() or spec.name != spec.name.strip():
+        return f"its name must be a non-empty string without surrounding spaces, got {spec.name!r}"
+    for part, base in (
+        ("server", ServerAlgorithm),
+        ("client", ClientAlgorithm),
+        ("station", StationAlgorithm),
+    ):
+        cls = getattr(spec, part)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            return f"{part} must be a subclass of {base.__name__}, got {cls!r}"
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            privacy = " (uploads: the privacy declaration)" if "uploads" in missing else ""
+            return f"{part} {cls.__name__} does not implement {missing}{privacy}"
+    if not (isinstance(spec.hparams, type) and issubclass(spec.hparams, Hparams)):
+        return (
+            f"hparams must be a subclass of feddomain's Hparams (typed, unknown keys refused), "
+            f"got {spec.hparams!r}"
+        )
+    defaults = {  # given explicitly, so that pydantic validates them (it trusts defaults)
+        name: field.get_default(call_default_factory=True)
+        for name, field in spec.hparams.model_fields.items()
+        if not field.is_required()
+    }
+    try:
+        spec.make_hparams(defaults)
+    except ValidationError as err:
+        fields = ", ".join(".".join(map(str, e["loc"])) + f" ({e['msg']})" for e in err.errors())
+        return f"its hyper-parameters {spec.hparams.__name__} need valid defaults: {fields}"
+    return None
 
 
 def get_method(name: str) -> MethodSpec:
@@ -74,6 +129,31 @@ def _is_plain_client_of(spec: MethodSpec, client_spec: MethodSpec) -> bool:
         and client_spec.client_wrapper is None
         and client_spec.station_wrapper is None
     )
+
+
+def typed_section(section: dict[str, Any] | str, *, defaults: bool) -> dict[str, Any]:
+    """An ``algorithm:`` section with each hyper-parameter as its method's schema types it
+    (YAML reads ``1e-2`` as the string "1e-2"; the schema, as the float 0.01), a composed
+    client part's too; with ``defaults``, every hyper-parameter, the method's defaults filled
+    in, so that a run stating a default and one leaving it implicit compare equal."""
+    values = {"name": section} if isinstance(section, str) else dict(section)
+    head = {k: values.pop(k) for k in ("name", "label") if k in values}
+    method = resolve_method(str(head.get("name", "fedavg")), values)
+    out = {**head, **_typed(method.hp, values, defaults)}
+    client = values.get("client")
+    if client is None:
+        return out
+    if method.client_spec is method.spec:  # `client: fedavg`: the aggregator's own clients
+        out["client"] = client
+        return out
+    given = {"name": client} if isinstance(client, str) else dict(client)
+    out["client"] = {"name": given.pop("name"), **_typed(method.client_hp, given, defaults)}
+    return out
+
+
+def _typed(hp: Hparams, given: dict[str, Any], defaults: bool) -> dict[str, Any]:
+    dumped = hp.model_dump(mode="json")
+    return dumped if defaults else {k: dumped[k] for k in given if k in dumped}
 
 
 def algorithm_hparams(name: str, values: dict[str, Any]) -> Hparams:

@@ -21,6 +21,7 @@ from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.errors import ConfigError, DataError, FeddomainError
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
+from feddomain.models.base import warn_small_instance_map
 from feddomain.style.backends import StyleBackend, backend_channels, build_backend
 from feddomain.style.statistics import (
     ClientAggregation,
@@ -80,6 +81,12 @@ def check_style_config(cfg: Any, hp: Hparams) -> None:
             "'model.frozen': style transfer re-renders images, which frozen-backbone mode "
             "replaces by cached features; set model.frozen: false"
         )
+    if cfg.model.frozen_prefix is not None:
+        raise ConfigError(
+            "'model.frozen_prefix': style transfer re-renders images before the frozen prefix; "
+            "caching the prefix once per style is not implemented yet: set "
+            "model.frozen_prefix: null"
+        )
     side = cfg.dataset.resolution
     if hp.backend == "adain_dct" and (side % 8 or side < 16):
         raise ConfigError(
@@ -133,6 +140,12 @@ class StyleClient(FedAvgClient):
                 ctx.train.batches(ctx.batch_size, ctx.generator),
                 self.backend(device),
                 lambda x: to_unit(x, ctx),
+            )
+            warn_small_instance_map(
+                self,
+                f"the {self.hp.backend} style backend (AdaIN)",
+                features.shape[2],
+                features.shape[3],
             )
             mean, std, _ = client_style(
                 features, self.hp.local_clustering, self.hp.client_style_agg

@@ -38,10 +38,11 @@ from feddomain.data.splits import (
     pilot_split,
 )
 from feddomain.errors import ConfigError, DataError
-from feddomain.federation.data import UNLABELED, ClientData
+from feddomain.federation.data import UNLABELED, ClientData, Transform
 from feddomain.federation.topology import FEW_SHOT, INIT, PILOT_SPLIT, VAL_SPLIT, derive_seed
 from feddomain.models import build_model, input_normalization
-from feddomain.models.frozen import FrozenFeatures
+from feddomain.models.frozen import FrozenFeatures, PixelVariant
+from feddomain.models.prefix import split_at
 
 
 @dataclass
@@ -117,7 +118,8 @@ def check_data_config(cfg: ExperimentConfig) -> None:
         spec = get_spec(cfg.dataset.name)
     except DataError:  # named by load_dataset, before it reads anything; code may build its own
         return
-    domains = EMBEDDED_DOMAINS if spec.builtin is not None else spec.domains
+    # the embedded digits' domains are known; a plug-in's generated source declares its own
+    domains = EMBEDDED_DOMAINS if spec.name == "digits_embedded" else spec.domains
     if domains is None or cfg.partition.name == "sites":
         return
     scheme = cfg.split.scheme
@@ -173,7 +175,7 @@ def build_federated_data(
         train_parts = _add_few_shot(cfg, dataset, train_parts, target_sets)
     target_sets, pilot_sets = _set_pilots_aside(cfg, target_sets)
 
-    def subset(idx: np.ndarray, transform: BatchAugment | None) -> ClientData:
+    def subset(idx: np.ndarray, transform: Transform | None) -> ClientData:
         return _subset(inputs, dataset.labels, idx, transform)
 
     n_domains = len(dataset.domains)
@@ -298,7 +300,7 @@ def _load_site(cfg: ExperimentConfig, root: str, classes: tuple[str, ...]) -> Do
 
 
 def _subset(
-    inputs: torch.Tensor, labels: torch.Tensor, idx: np.ndarray, transform: BatchAugment | None
+    inputs: torch.Tensor, labels: torch.Tensor, idx: np.ndarray, transform: Transform | None
 ) -> ClientData:
     index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
     return ClientData(inputs[index].contiguous(), labels[index].clone(), transform)
@@ -317,7 +319,7 @@ def _set_pilots_aside(
     return {d: ev for d, (ev, _) in pairs.items()}, {d: p for d, (_, p) in pairs.items()}
 
 
-def _unlabeled(inputs: torch.Tensor, idx: np.ndarray, transform: BatchAugment | None) -> ClientData:
+def _unlabeled(inputs: torch.Tensor, idx: np.ndarray, transform: Transform | None) -> ClientData:
     """Images of a pilot set without their labels: these are never copied, so no task can read
     them (every label is UNLABELED)."""
     index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
@@ -339,27 +341,57 @@ def _stations(cfg: ExperimentConfig, n_clients: int) -> list[np.ndarray] | None:
 
 def _model_inputs(
     cfg: ExperimentConfig, dataset: DomainDataset
-) -> tuple[torch.Tensor, BatchAugment | None, BatchAugment | None]:
+) -> tuple[torch.Tensor, Transform | None, Transform | None]:
     """What clients feed the model: uint8 images with train/eval transforms, or, in frozen-backbone
     mode, the backbone's cached float features of every image (no transform)."""
     augment = AugmentConfig(**cfg.train.augment.model_dump())
-    if not cfg.model.frozen:
+    if not cfg.model.frozen and cfg.model.frozen_prefix is None:
         return (
             dataset.images,
             BatchAugment(augment, cfg.train.mean, cfg.train.std),
             BatchAugment(AugmentConfig(), cfg.train.mean, cfg.train.std),
         )
     if augment != AugmentConfig(crop_ratio=augment.crop_ratio):
+        mode = "model.frozen: true" if cfg.model.frozen else "model.frozen_prefix"
         raise ConfigError(
-            "train.augment cannot apply in frozen-backbone mode (model.frozen: true): features are "
+            f"train.augment cannot apply with a cached frozen backbone ({mode}): its output is "
             "computed once from the un-augmented images; turn augmentation off"
         )
-    return frozen_features(cfg, dataset), None, None
+    if cfg.model.frozen:
+        return frozen_features(cfg, dataset), None, None
+    if cfg.model.prefix_cache:
+        return prefix_features(cfg, dataset.images, len(dataset.classes)), None, None
+    prefix = frozen_prefix(cfg, len(dataset.classes))
+    recompute = PrefixTransform(prefix, *backbone_normalization(cfg))
+    return dataset.images, recompute, recompute
 
 
 def frozen_features(cfg: ExperimentConfig, dataset: DomainDataset) -> torch.Tensor:
     """Backbone features [N, F] of every image, computed once and cached on disk."""
     return backbone_features(cfg, dataset.images, len(dataset.classes), cached=True)
+
+
+def backbone_normalization(
+    cfg: ExperimentConfig,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The input normalisation a frozen backbone (or prefix) sees: its pretrained weights', else
+    the config's ``train.mean``/``train.std``, else none."""
+    return input_normalization(cfg.model.name) or (
+        tuple(cfg.train.mean or (0.0,) * 3),
+        tuple(cfg.train.std or (1.0,) * 3),
+    )
+
+
+def _feature_cache(cfg: ExperimentConfig) -> Path:
+    cache = Path(cfg.dataset.cache_dir) if cfg.dataset.cache_dir else default_cache_dir()
+    return cache.expanduser() / "features"
+
+
+def _initialised_model(cfg: ExperimentConfig, n_classes: int) -> torch.nn.Module:
+    """The configured model with the run's seeded initialisation (what the runner builds)."""
+    m = cfg.model
+    torch.manual_seed(derive_seed(cfg.seed, INIT))
+    return build_model(m.name, n_classes, resolution=cfg.dataset.resolution, **m.options)
 
 
 def backbone_features(
@@ -368,23 +400,62 @@ def backbone_features(
     """The configured frozen backbone's features of uint8 ``images`` (``cached``: read from, or
     written to, the feature cache); the same backbone, weights and normalisation for a run's
     data and for images seen later (`feddomain adapt`)."""
-    m = cfg.model
-    torch.manual_seed(derive_seed(cfg.seed, INIT))
-    backbone = build_model(m.name, n_classes, resolution=cfg.dataset.resolution, **m.options)
-    norm = input_normalization(m.name) or (
-        cfg.train.mean or (0.0,) * 3,
-        cfg.train.std or (1.0,) * 3,
-    )
-    cache = Path(cfg.dataset.cache_dir) if cfg.dataset.cache_dir else default_cache_dir()
+    mean, std = backbone_normalization(cfg)
     return FrozenFeatures.compute(
-        backbone,
+        _initialised_model(cfg, n_classes),
         images,
         batch_size=cfg.eval.batch_size,
-        mean=norm[0],
-        std=norm[1],
-        resolution=m.backbone_resolution,
-        cache_dir=cache.expanduser() / "features" if cached else None,
+        mean=mean,
+        std=std,
+        resolution=cfg.model.backbone_resolution,
+        cache_dir=_feature_cache(cfg) if cached else None,
     )
+
+
+def frozen_prefix(cfg: ExperimentConfig, n_classes: int) -> torch.nn.Module:
+    """The frozen prefix of the configured model (``model.frozen_prefix``), in eval mode."""
+    return split_at(_initialised_model(cfg, n_classes), cfg.model.frozen_prefix)[0]
+
+
+def prefix_features(
+    cfg: ExperimentConfig,
+    images: torch.Tensor,
+    n_classes: int,
+    variant: PixelVariant | None = None,
+) -> torch.Tensor:
+    """The frozen prefix's output maps [N, C, h, w] of uint8 ``images`` (optionally changed by a
+    deterministic ``variant`` first), computed once and cached (memory-mapped) per variant."""
+    mean, std = backbone_normalization(cfg)
+    return FrozenFeatures.compute(
+        frozen_prefix(cfg, n_classes),
+        images,
+        batch_size=cfg.eval.batch_size,
+        mean=mean,
+        std=std,
+        cache_dir=_feature_cache(cfg),
+        variant=variant,
+        flatten=False,
+    )
+
+
+class PrefixTransform:
+    """``model.prefix_cache: false``: a batch of uint8 images through the frozen prefix, on every
+    batch (normalised as for the cache; eval mode, no gradient)."""
+
+    def __init__(
+        self, prefix: torch.nn.Module, mean: tuple[float, ...], std: tuple[float, ...]
+    ) -> None:
+        self.prefix = prefix
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+
+    def __call__(self, images_u8: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        del generator  # nothing random: that is what makes the prefix cacheable
+        device = images_u8.device
+        self.prefix.to(device)
+        x = images_u8.float().div_(255.0)
+        with torch.no_grad():
+            return self.prefix((x - self.mean.to(device)) / self.std.to(device))
 
 
 def client_indices(

@@ -177,6 +177,24 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+def register_dataset(spec: DatasetSpec) -> DatasetSpec:
+    """Add a dataset preset of one's own (docs/plugins.md): a folder layout, or a generated
+    source (``builtin``)."""
+    if not isinstance(spec, DatasetSpec):
+        raise ConfigError(f"register_dataset takes a DatasetSpec, got {spec!r}")
+    if not spec.name or not _normalise(spec.name):
+        raise ConfigError(f"a dataset's name must hold a letter or digit, got {spec.name!r}")
+    taken = {_normalise(n): n for n in DATASETS}
+    if _normalise(spec.name) in taken:
+        raise ConfigError(
+            f"dataset {spec.name!r} is already registered (as {taken[_normalise(spec.name)]!r})"
+        )
+    if spec.folder is None and spec.builtin is None:
+        raise ConfigError(f"dataset {spec.name!r}: give its folder, or a builtin source")
+    DATASETS[spec.name] = spec
+    return spec
+
+
 SITE = DatasetSpec("site", None, None, None)  # one site's own folder (partition `sites`)
 
 

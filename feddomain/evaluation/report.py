@@ -36,6 +36,15 @@ from matplotlib.ticker import MaxNLocator
 
 from feddomain.config import ExperimentConfig
 from feddomain.errors import ConfigError, DataError
+from feddomain.evaluation.claims import (
+    Claim,
+    against,
+    claims_markdown,
+    evaluate,
+    read_claims,
+    tuning,
+    tuning_markdown,
+)
 from feddomain.evaluation.selection import RULES, select
 from feddomain.federation.privacy import CLIENT_SERVER, KINDS
 
@@ -82,7 +91,8 @@ CHARS_PER_INCH = 9  # of a figure title at matplotlib's default size, with a mar
 # config keys that do not change what a run computes: runs differing only here are one setting
 NEUTRAL_KEYS = frozenset(
     {"name", "seed", "threads", "dataset.root", "dataset.cache_dir", "split.targets",
-     "checkpoint.every", "eval.batch_size"}
+     "checkpoint.every", "eval.batch_size", "tracking.tensorboard", "tracking.mlflow",
+     "tracking.mlflow.tracking_uri", "tracking.mlflow.experiment"}
 )  # fmt: skip
 
 
@@ -188,6 +198,8 @@ class Report:
     files: list[Path] = field(default_factory=list)
     spread: str = "std"
     metrics: tuple[str, ...] = METRICS  # the tables, in order
+    claims: list[Claim] = field(default_factory=list)  # "A > B" with paired intervals
+    tuning: dict[str, dict] = field(default_factory=dict)  # row -> its tune's selected.yaml
 
     def title(self) -> str:
         oracle = self.selection == "oracle"
@@ -215,6 +227,7 @@ class Report:
                     lines += ["", f"{BELOW_CHANCE} below chance ({self._chance(dataset)})."]
             lines += self._communication(dataset)
             lines += self._timing(dataset)
+        lines += claims_markdown(self.claims) + tuning_markdown(self.tuning)
         if self.warnings:
             lines += ["", "## Notes", ""] + [f"- {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
@@ -526,8 +539,24 @@ def load_run(
         raise DataError(f"{run_dir / 'config.yaml'}: not valid YAML ({err})") from err
     if not isinstance(config, dict):
         raise DataError(f"{run_dir / 'config.yaml'}: expected a mapping")
+    config = resolved_config(config)
     run = RunResult(run_dir, algorithm, dataset, targets, seed, chosen, records, summary, config)
     return run, _consistency_warnings(run, selection)
+
+
+def resolved_config(raw: dict) -> dict:
+    """A run's saved config with its ``algorithm`` section resolved: every hyper-parameter of
+    the method typed and its default filled in, so that ``mu: "1e-2"`` (an older saved config)
+    and ``mu: 0.01``, or ``algorithm: fedprox`` and ``{name: fedprox, mu: 0.01}``, are one
+    setting. A section this version cannot resolve (a method it does not know) stays as
+    written."""
+    from feddomain.algorithms import typed_section  # late: the methods import torch
+
+    section = raw.get("algorithm", {"name": "fedavg"})
+    try:
+        return {**raw, "algorithm": typed_section(section, defaults=True)}
+    except (ConfigError, TypeError, ValueError):
+        return raw
 
 
 def with_nested_metrics(record: dict) -> dict:
@@ -573,7 +602,7 @@ def label_by_settings(runs: list[RunResult]) -> list[RunResult]:
     FedProx runs with different ``mu`` are one seed group (different seeds: averaged together)
     or refused as duplicates (the same seed)."""
     defaults = _flatten(ExperimentConfig().to_dict())  # for keys a run's config lacks (older)
-    settings = {run.path: {**defaults, **_settings(run.path / "config.yaml")} for run in runs}
+    settings = {run.path: {**defaults, **_flatten(run.config)} for run in runs}
     by_label: dict[tuple[str, str], list[RunResult]] = {}
     for run in runs:  # per dataset: other datasets may need other settings (resolution, model)
         by_label.setdefault((run.algorithm, run.dataset), []).append(run)
@@ -589,19 +618,6 @@ def label_by_settings(runs: list[RunResult]) -> list[RunResult]:
                 run = replace(run, algorithm=f"{label} ({shown})")
             out.append(run)
     return out
-
-
-def _settings(path: Path) -> dict[str, str]:
-    """A run's config as written, flattened."""
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise DataError(f"{path}: cannot read the run's config ({err})") from err
-    if not isinstance(raw, dict):
-        raise DataError(f"{path}: expected a mapping of config keys, got {type(raw).__name__}")
-    if isinstance(raw.get("algorithm"), str):  # the `algorithm: fedavg` shorthand
-        raw["algorithm"] = {"name": raw["algorithm"]}
-    return _flatten(raw)
 
 
 def _flatten(raw: dict) -> dict[str, str]:
@@ -653,9 +669,14 @@ def build_report(
     out: Path | None = None,
     spread: str = "std",
     extra_metrics: tuple[str, ...] = (),
+    against_method: str | None = None,
+    claims_file: Path | None = None,
+    bootstrap: bool = False,
 ) -> Report:
     """Read every run under ``dirs``; when ``out`` is given write report.md, report.csv, plots.
-    ``extra_metrics`` (of ``OPTIONAL_METRICS``) add their tables after the standard ones."""
+    ``extra_metrics`` (of ``OPTIONAL_METRICS``) add their tables after the standard ones.
+    ``against_method`` (every other row > it) and ``claims_file`` ("A > B" lines) add claims
+    with paired 95% intervals (t, or a paired bootstrap with ``bootstrap``)."""
     if selection not in RULES:
         raise ConfigError(f"unknown selection rule {selection!r}; choose one of {list(RULES)}")
     if spread not in SPREADS:
@@ -678,6 +699,10 @@ def build_report(
     groups = _group(runs, metrics)
     notes = warnings + mixing_warnings(groups)
     report = Report(selection, runs, groups, notes, spread=spread, metrics=metrics)
+    pairs = against(report, against_method) if against_method else []
+    pairs += read_claims(Path(claims_file)) if claims_file else []
+    report.claims = evaluate(report, pairs, bootstrap=bootstrap)
+    report.tuning = tuning(runs)
     if out is not None:
         write_outputs(report, Path(out))
     return report

@@ -55,6 +55,7 @@ from feddomain.federation.topology import (
 from feddomain.federation.training import predict_probs, round_lr, set_arrays, unpack_ensemble
 from feddomain.models import build_model
 from feddomain.models.frozen import head_model
+from feddomain.models.prefix import split_at
 
 log = logging.getLogger("feddomain")
 CPU = torch.device("cpu")
@@ -77,6 +78,7 @@ class Simulation:
         out_dir: Path,
         *,
         progress: Callable[[int, dict[str, Any] | None], None] | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -85,6 +87,7 @@ class Simulation:
         self.data = (data.pooled() if self.method.spec.pooled else data).to(self.device)
         self.out = out_dir
         self.progress = progress
+        self.on_round = on_round  # every round's record once written (experiment tracking)
         n_classes = len(data.classes)
         if cfg.model.frozen:  # clients hold cached backbone features: train only a head
             n_features = int(data.train[0].inputs.shape[1])
@@ -95,6 +98,9 @@ class Simulation:
             build = lambda: build_model(  # noqa: E731
                 cfg.model.name, n_classes, resolution=cfg.dataset.resolution, **cfg.model.options
             )
+        if cfg.model.frozen_prefix is not None:  # clients hold the prefix's maps: train the tail
+            whole, stage = build, cfg.model.frozen_prefix
+            build = lambda: split_at(whole(), stage)[1]  # noqa: E731
         self._build = lambda: self.method.prepare_model(build())
         self.model = self._init_model().to(self.device)  # initialised on the CPU, then moved
         model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
@@ -195,6 +201,8 @@ class Simulation:
                 self.records.append(record)
                 self._append_metrics(record)
             self._append_rounds()
+            if self.on_round:
+                self.on_round(record)
             if self.progress:
                 self.progress(rnd, record if "id_acc" in record else None)
             every = self.cfg.checkpoint.every
@@ -702,6 +710,9 @@ class Simulation:
             "client_domain_counts": self.data.client_domain_counts.tolist(),
             "wall_time_s": round(wall_time, 3),
         }
+        server = self.server.run_summary()
+        if server:
+            out["server"] = server
         return out
 
     def _export_state(self) -> dict[str, Any]:
@@ -817,6 +828,7 @@ def _summarise_eval(
     worst_name, worst_acc = worst_domain(per_domain) if per_domain else (None, None)
     ids = [r.acc for r in id_results if r is not None]
     pooled_ood = [c[d] for c in models for d in domains]
+    per_image = 1 / len(models) if models else 1.0  # each target image once over the models
     out: dict[str, Any] = {
         "id_acc": float(np.mean(ids)) if ids else None,
         "ood_acc": float(np.mean(model_accs)) if model_accs else None,
@@ -833,10 +845,10 @@ def _summarise_eval(
         "ood_spread": spread(ood_accs) if ood_accs else None,
         "distinct_models": distinct_models,
         "calibration": {
-            "reliability": _pooled_reliability(pooled_ood) if pooled_ood else {},
+            "reliability": _pooled_reliability(pooled_ood, per_image) if pooled_ood else {},
             "confidence_hist": {
                 "id": _pooled_hist([r for r in id_results if r is not None]),
-                "ood": _pooled_hist(pooled_ood),
+                "ood": _pooled_hist(pooled_ood, per_image),
             },
         },
     }
@@ -858,23 +870,34 @@ def _mean_over(per_client: list[dict[str, EvalResult]], field: str) -> float | N
     return float(np.mean([np.mean([getattr(r, field) for r in c.values()]) for c in per_client]))
 
 
-def _pooled_reliability(results: list[EvalResult]) -> dict[str, list[float]]:
+def _counts(total: np.ndarray, weight: float) -> list[float] | list[int]:
+    """Bin counts scaled by ``weight``: ints where that is exact (one model, or all alike)."""
+    scaled = total * weight
+    rounded = np.rint(scaled)
+    return rounded.astype(int).tolist() if np.allclose(scaled, rounded) else scaled.tolist()
+
+
+def _pooled_reliability(results: list[EvalResult], weight: float = 1.0) -> dict[str, list[float]]:
+    """Reliability bins of ``results`` pooled, counts scaled by ``weight``: the ood results of
+    every client's model over every target, each image counted once (weight 1/clients: a model
+    shared by all clients is one model, distinct models each count for a share, as the
+    run-level ood numbers average them)."""
     count = np.sum([r.reliability.count for r in results], axis=0).astype(np.float64)
     conf = np.sum([np.multiply(r.reliability.count, r.reliability.conf) for r in results], axis=0)
     acc = np.sum([np.multiply(r.reliability.count, r.reliability.acc) for r in results], axis=0)
     safe = np.maximum(count, 1)
     return {
-        "count": count.astype(int).tolist(),
+        "count": _counts(count, weight),
         "conf": (conf / safe).tolist(),
         "acc": (acc / safe).tolist(),
     }
 
 
-def _pooled_hist(results: list[EvalResult]) -> dict[str, list[int]]:
+def _pooled_hist(results: list[EvalResult], weight: float = 1.0) -> dict[str, list[int]]:
     if not results:
         return {}
     return {
-        k: np.sum([r.conf_hist[k] for r in results], axis=0).astype(int).tolist()
+        k: _counts(np.sum([r.conf_hist[k] for r in results], axis=0).astype(np.float64), weight)
         for k in ("correct", "incorrect")
     }
 

@@ -37,6 +37,27 @@ MODELS: dict[str, Builder] = {
     "vgg11": vgg11,
 }
 
+
+
+def register_model(name: str, builder: Builder) -> Builder:
+    """Add a model of one's own (docs/plugins.md): ``builder(num_classes, *, resolution,
+    **options)`` returns a ``FeatureClassifier``; its keyword-only parameters are the model's
+    ``model.options``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"a model's name must be a non-empty string, got {name!r}")
+    if name in MODELS:
+        raise ConfigError(f"model {name!r} is already registered (by {MODELS[name].__module__})")
+    if not callable(builder):
+        raise ConfigError(f"model {name!r}: its builder must be callable, got {builder!r}")
+    params = inspect.signature(builder).parameters
+    if "resolution" not in params:
+        raise ConfigError(
+            f"model {name!r}: its builder must take (num_classes, *, resolution, **options)"
+        )
+    MODELS[name] = builder
+    return builder
+
+
 IMAGENET_NORMALIZATION: Normalization = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 _PRETRAINED_NORMALIZATION: dict[str, Normalization] = {
     "resnet18": IMAGENET_NORMALIZATION,
@@ -123,12 +144,14 @@ def model_skeleton(
     frozen: bool = False,
     head_hidden: int | None = None,
     head_adapter: int | None = None,
+    frozen_prefix: int | None = None,
 ) -> nn.Module:
     """The structure of a configured model without its weights: built on the meta device (no
     memory, no weight file read), for config-time checks of what a method needs of it. With
-    ``frozen`` it is the head trained on cached features. The class count does not shape the
-    layers a check looks at, so it is 2."""
+    ``frozen`` it is the head trained on cached features, with ``frozen_prefix`` the tail trained
+    after the prefix. The class count does not shape the layers a check looks at, so it is 2."""
     from feddomain.models.frozen import head_model  # late: only config-time checks need it
+    from feddomain.models.prefix import split_at
 
     options = dict(options or {})
     valid = model_options(name)
@@ -137,6 +160,8 @@ def model_skeleton(
         model = build_model(name, 2, resolution=resolution, **options)
         if frozen:
             model = head_model(model.n_features, 2, hidden=head_hidden, adapter=head_adapter)
+        if frozen_prefix is not None:
+            model = split_at(model, frozen_prefix)[1]
     return model
 
 
@@ -151,6 +176,7 @@ def configured_skeleton(cfg: Any) -> nn.Module:
         frozen=m.frozen,
         head_hidden=m.head_hidden,
         head_adapter=m.head_adapter,
+        frozen_prefix=m.frozen_prefix,
     )
 
 

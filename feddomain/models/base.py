@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+MIN_INSTANCE_VALUES = 16  # per channel; fewer and instance statistics carry class information
+
+
+def warn_small_instance_map(owner: object, where: str, height: int, width: int) -> None:
+    """Warn once per ``owner`` (a layer, a style client) that it takes per-sample, per-channel
+    statistics over fewer than 16 values: on 2x2 maps (FedFD at 64 px) mixing such statistics
+    destroyed class information even on source data (issue 25's linear probes)."""
+    if height * width >= MIN_INSTANCE_VALUES or getattr(owner, "_small_map_warned", False):
+        return
+    owner._small_map_warned = True
+    log.warning(
+        "%s takes instance statistics over a %dx%d feature map (%d values per channel, fewer "
+        "than %d): they are noisy and carry the content; give the model larger inputs "
+        "(dataset.resolution) or act on an earlier stage",
+        where,
+        height,
+        width,
+        height * width,
+        MIN_INSTANCE_VALUES,
+    )
 
 
 class FeatureClassifier(nn.Module):
@@ -27,9 +50,13 @@ class FeatureClassifier(nn.Module):
     ``arch`` is the registry name the model was built under (``build_model`` sets it; empty for
     a model built otherwise), so that tables keyed by architecture (HFedATM's permutation specs)
     find it after model hooks.
+
+    ``frozen_stages`` is k for the trainable tail of a model cut after its stage k
+    (``model.frozen_prefix``): its ``stages`` are the stages k+1.. of the whole model.
     """
 
     arch: str = ""
+    frozen_stages = 0  # a frozen prefix's tail (models/prefix.py): the stages cut off before it
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from feddomain.errors import ConfigError
+from feddomain.models.base import warn_small_instance_map
 
 Kind = Literal["batch", "global", "instance", "fixed", "random", "adapter"]
 LocalStats = Literal["instance", "batch"]
@@ -141,6 +142,8 @@ class FedFDBatchNorm2d(nn.BatchNorm2d):
                 f"stages are 1x1 below 64 px) or use algorithm.local_stats: batch with a test "
                 f"mode that reads no instance statistics (global, local)"
             )
+        if local == "instance":
+            warn_small_instance_map(self, self.where, x.shape[2], x.shape[3])
         mu_l, sigma_l = local_statistics(x, local, self.eps)
         mu_g = self.global_mean.view(1, -1, 1, 1)
         sigma_g = (self.global_var + self.eps).sqrt().view(1, -1, 1, 1)

@@ -2,8 +2,10 @@
 
 With a pretrained backbone frozen, every round of federated training would recompute the same
 features; computing them once turns a CPU-hours experiment into minutes. The cache file is keyed
-by everything that changes the features (backbone class and weights, data, resolution,
-normalisation) and is written atomically, so concurrent runs never read a partial file.
+by everything that changes the features (module class and weights, data, resolution,
+normalisation, a deterministic pixel variant such as a fixed style) and is written atomically,
+so concurrent runs never read a partial file; it is read memory-mapped. The same machinery
+caches a frozen prefix's feature maps (``models/prefix.py``: ``flatten=False``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +26,16 @@ from feddomain.errors import ConfigError, DataError
 from feddomain.models.base import FeatureClassifier
 
 _FORMAT = 1
+
+
+@dataclass(frozen=True)
+class PixelVariant:
+    """A deterministic change of the images before the frozen module (a fixed style): ``key``
+    names it in the cache key (e.g. a digest of the style and its settings), ``apply`` maps
+    images in [0, 1] [B, 3, H, W] to images in [0, 1]."""
+
+    key: str
+    apply: Callable[[Tensor], Tensor]
 
 
 def _digest_tensors(named: Sequence[tuple[str, Tensor]]) -> str:
@@ -71,6 +84,7 @@ class FrozenFeatures:
         std: Sequence[float],
         resolution: int | None = None,
         key: str | None = None,
+        variant: PixelVariant | None = None,
     ) -> dict[str, object]:
         """Everything the features depend on; the cache file name is a hash of these fields.
 
@@ -89,6 +103,7 @@ class FrozenFeatures:
             "resolution": int(resolution) if resolution is not None else int(height),
             "mean": [float(m) for m in mean],
             "std": [float(s) for s in std],
+            "variant": variant.key if variant is not None else None,
         }
 
     @staticmethod
@@ -102,27 +117,37 @@ class FrozenFeatures:
         resolution: int | None = None,
         cache_dir: str | Path | None = None,
         key: str | None = None,
+        variant: PixelVariant | None = None,
+        flatten: bool = True,
     ) -> Tensor:
-        """Features [N, F] float32 on CPU of ``backbone.featurizer`` (or ``backbone`` itself).
+        """Features [N, F] float32 on CPU of ``backbone.featurizer`` (or ``backbone`` itself);
+        with ``flatten=False`` the module's output shape per image is kept (a prefix's maps).
 
         Runs in eval mode without gradients and restores each submodule's train/eval flag after.
-        ``resolution`` resizes square inputs on the fly (bilinear, antialiased) when it differs
-        from the stored images. With ``cache_dir`` the result is read from, or written to, one file
-        per :meth:`cache_fields`.
+        ``variant`` changes the images first; ``resolution`` resizes square inputs on the fly
+        (bilinear, antialiased) when it differs from the stored images. With ``cache_dir`` the
+        result is read (memory-mapped) from, or written to, one file per :meth:`cache_fields`.
         """
         _check_inputs(images_u8, batch_size, mean, std)
+        module = _featurizer(backbone)
+        run = (images_u8, batch_size, mean, std, resolution, variant)
         if cache_dir is None:
-            return _forward_all(_featurizer(backbone), images_u8, batch_size, mean, std, resolution)
+            return _shaped(_forward_all(module, *run), flatten)
         fields = FrozenFeatures.cache_fields(
-            backbone, images_u8, mean=mean, std=std, resolution=resolution, key=key
+            backbone, images_u8, mean=mean, std=std, resolution=resolution, key=key,
+            variant=variant,
         )
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(cache_dir) / f"features-{digest}.pt"
         if path.exists():
-            return _load(path, fields)
-        features = _forward_all(_featurizer(backbone), images_u8, batch_size, mean, std, resolution)
+            return _shaped(_load(path, fields), flatten)
+        features = _forward_all(module, *run)
         _save_atomic(path, {"fields": fields, "features": features})
-        return features
+        return _shaped(features, flatten)
+
+
+def _shaped(features: Tensor, flatten: bool) -> Tensor:
+    return features.flatten(1) if flatten and features.ndim > 2 else features
 
 
 def _forward_all(
@@ -132,6 +157,7 @@ def _forward_all(
     mean: Sequence[float],
     std: Sequence[float],
     resolution: int | None,
+    variant: PixelVariant | None,
 ) -> Tensor:
     param = next(featurizer.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
@@ -145,6 +171,8 @@ def _forward_all(
         with torch.no_grad():
             for start in range(0, images_u8.shape[0], batch_size):
                 x = images_u8[start : start + batch_size].to(device).float().div_(255.0)
+                if variant is not None:
+                    x = variant.apply(x)
                 if resolution is not None and tuple(x.shape[-2:]) != (resolution, resolution):
                     x = F.interpolate(
                         x,
@@ -159,12 +187,12 @@ def _forward_all(
             module.training = training
     if not chunks:
         return torch.empty(0, 0)
-    return torch.cat(chunks).flatten(1)
+    return torch.cat(chunks)
 
 
 def _load(path: Path, fields: dict[str, object]) -> Tensor:
     try:
-        stored = torch.load(path, map_location="cpu", weights_only=True)
+        stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise DataError(
             f"feature cache {path} is unreadable ({exc}); delete it to recompute"

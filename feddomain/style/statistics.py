@@ -65,7 +65,8 @@ def client_style(
     ``mean_of_stats`` (paper) the mean of the clusters' μ_j and σ_j."""
     n = features.shape[0]
     if clustering == "finch":
-        labels = finch_partitions(features.flatten(1))[:, -1]
+        # early exit off, as FISC's release calls FINCH on a client's images (fisc.md §3.2)
+        labels = finch_partitions(features.flatten(1), early_exit=False)[:, -1]
     else:
         labels = torch.zeros(n, dtype=torch.long).numpy()
     z = features.double().flatten(2)  # [n, C, hw]

@@ -1,0 +1,161 @@
+"""Claims in the report (issue 25, item 3): paired differences over (seed, target), their 95%
+intervals computed by hand here, the verdicts, the tuning beside each row; and runs of one
+setting grouped as one row however their hyper-parameters were written."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from feddomain.cli import main
+from feddomain.config import load_config
+from feddomain.errors import DataError
+from feddomain.evaluation.claims import Claim, bootstrap_interval, read_claims, t_interval
+from feddomain.evaluation.report import build_report
+from tests.test_report import write_run, write_runs
+
+T_975_3 = 3.182446305284263  # Student's t quantile 0.975 with 3 degrees of freedom (tables)
+T_975_4 = 2.7764451051977987  # ... with 4
+
+
+def _hand_t(values: list[float], t_quantile: float) -> tuple[float, float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def test_t_interval_matches_the_hand_computed_one():
+    """Catches a z quantile instead of t, the population std (ddof 0), a missing √n, or a
+    99% interval: on five differences each would move the ends."""
+    diffs = [0.02, 0.05, -0.01, 0.04, 0.03]
+    _, low, high = _hand_t(diffs, T_975_4)
+    assert t_interval(np.array(diffs)) == pytest.approx((low, high), abs=1e-12)
+    # mean 0.026, s = sqrt(2.12e-3 / 4) = 0.0230, half width 2.776 * 0.0230 / sqrt(5) = 0.0286
+    assert (low, high) == pytest.approx((-0.00259, 0.05459), abs=1e-5)
+
+
+def test_verdicts_follow_the_interval():
+    """Catches a verdict read from the mean alone, or an interval touching 0 counted."""
+    def claim(low: float, high: float) -> Claim:
+        return Claim("a", "b", "ood_acc", 4, (low + high) / 2, low, high, "t")
+
+    assert claim(0.01, 0.05).verdict == "holds"
+    assert claim(-0.05, -0.01).verdict == "refuted"
+    assert claim(-0.01, 0.05).verdict == "unresolved"
+    assert claim(0.0, 0.05).verdict == "unresolved"
+    assert claim(math.nan, math.nan).verdict == "unresolved"
+
+
+def test_report_claims_pair_seed_and_target_cells(tmp_path: Path, capsys):
+    """Catches unpaired differences (means subtracted), a run without a partner counted as a
+    pair, and the CLI's --against not testing every row against the baseline. hfedf - fedavg
+    at the source_val round: photo 0.06, 0.06; sketch 0.10, 0.06 (test_report's table); an
+    extra hfedf seed has no fedavg partner."""
+    root = write_runs(tmp_path / "runs")
+    write_run(root, "hfedf", "photo", 2, (0.99, 0.99, 0.01))
+    report = build_report([root], against_method="fedavg")
+    (claim,) = report.claims
+    mean, low, high = _hand_t([0.06, 0.06, 0.10, 0.06], T_975_3)  # 0.07 ± 3.18 · 0.01
+    assert (claim.better, claim.worse, claim.pairs) == ("hfedf", "fedavg", 4)
+    assert (claim.mean, claim.low, claim.high) == pytest.approx((mean, low, high), abs=1e-12)
+    assert claim.verdict == "holds"
+
+    claims = tmp_path / "claims.txt"
+    claims.write_text("# the other way round\nfedavg > hfedf\n")
+    (reverse,) = build_report([root], claims_file=claims).claims
+    assert (reverse.low, reverse.high) == pytest.approx((-high, -low), abs=1e-12)
+    assert reverse.verdict == "refuted"
+
+    assert main(["report", str(root), "--against", "fedavg"]) == 0
+    assert "| hfedf > fedavg | 4 | +7.00 | [+3.82, +10.18] | holds |" in capsys.readouterr().out
+
+
+def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path):
+    """Catches an unseeded bootstrap (a report that changes between two calls) and one that
+    resamples something other than the pairs: a percentile interval of means of resampled
+    differences lies within [min, max] of them."""
+    root = write_runs(tmp_path / "runs")
+    first = build_report([root], against_method="fedavg", bootstrap=True).claims[0]
+    again = build_report([root], against_method="fedavg", bootstrap=True).claims[0]
+    assert (first.low, first.high) == (again.low, again.high)
+    assert 0.06 <= first.low < first.high <= 0.10
+    assert first.verdict == "holds" and first.interval == "bootstrap"
+    assert bootstrap_interval(np.array([0.03, 0.03])) == (0.03, 0.03)
+    spread = np.array([0.013, 0.021, -0.004, 0.037, 0.029, 0.008, 0.016])
+    assert bootstrap_interval(spread) == bootstrap_interval(spread)
+    assert bootstrap_interval(spread, seed=1) != bootstrap_interval(spread)
+
+
+def test_claims_files_and_bad_claims(tmp_path: Path):
+    """Catches a YAML list not read as claims, a malformed line accepted, and a claim about
+    a row the report lacks passing silently (the message lists the rows)."""
+    listed = tmp_path / "claims.yaml"
+    listed.write_text('- "hfedf > fedavg"\n- fedprox > fedavg\n')
+    assert read_claims(listed) == [("hfedf", "fedavg"), ("fedprox", "fedavg")]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("hfedf >> fedavg\n")
+    with pytest.raises(DataError, match=r"entry 1: 'hfedf >> fedavg' is not 'A > B'"):
+        read_claims(bad)
+    root = write_runs(tmp_path / "runs")
+    with pytest.raises(DataError, match=r"claim names 'fedprox'.*rows: \['fedavg', 'hfedf'\]"):
+        build_report([root], claims_file=listed)
+
+
+def test_the_tune_behind_a_row_is_shown_with_its_selection(tmp_path: Path):
+    """Catches confirmation runs of a tune reported without the hyper-parameters chosen and
+    the number of trials behind them, or an oracle tune shown as a source-validation one."""
+    root = write_runs(tmp_path / "plain")
+    tune_dir = tmp_path / "tune-hfedf"
+    confirm = tune_dir / "confirm"
+    for target in ("photo", "sketch"):
+        write_run(confirm, "hfedf", target, 7, (0.6, 0.9, 0.1))
+    selected = {"oracle": True, "trials": 6, "selected": {"overrides": ["train.lr=0.002"]}}
+    (tune_dir / "selected.yaml").write_text(yaml.safe_dump(selected))
+    text = build_report([root, confirm]).to_markdown()
+    assert f"| hfedf | train.lr=0.002 | 6 | ORACLE (target accuracy) | {tune_dir} |" in text
+    assert "| fedavg |" not in text.split("## Tuning")[1]
+
+
+# --------------------------------------------------------------------------- grouping
+def test_saved_hyper_parameters_are_typed(tmp_path: Path):
+    """Catches `algorithm.mu=1e-2` (or `mu: 1e-2` in a YAML file, which PyYAML reads as a
+    string) saved as the string "1e-2", which then compares unequal to 0.01."""
+    cfg = load_config(None, ["algorithm=fedprox", "algorithm.mu=1e-2"])
+    assert cfg.to_dict()["algorithm"] == {"name": "fedprox", "label": None, "mu": 0.01}
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm: {name: fedprox, mu: 1e-2}\n")
+    saved = yaml.safe_load(yaml.safe_dump(load_config(path).to_dict()))
+    assert saved["algorithm"]["mu"] == 0.01 and isinstance(saved["algorithm"]["mu"], float)
+
+
+def _fedprox_run(root: Path, seed: int, algorithm: str, ood: float) -> None:
+    for target in ("photo", "sketch"):
+        run = write_run(root, f"fedprox_{seed}", target, seed, (ood, 0.9, 0.1))
+        (run / "config.yaml").write_text(f"algorithm: {algorithm}\nseed: {seed}\n")
+        summary = (run / "summary.json").read_text().replace(f'"fedprox_{seed}"', '"fedprox"')
+        (run / "summary.json").write_text(summary)
+
+
+def test_a_stated_default_a_string_and_an_implicit_default_are_one_row(tmp_path: Path):
+    """Catches the report splitting one setting into rows of one seed each: `mu: "1e-2"` (an
+    untyped saved value), `mu: 0.01` and `algorithm: fedprox` (mu left at its default 0.01)
+    are one FedProx row with three seeds; mu = 0.1 is another row."""
+    root = tmp_path / "runs"
+    _fedprox_run(root, 0, '{name: fedprox, mu: "1e-2"}', 0.50)
+    _fedprox_run(root, 1, "{name: fedprox, mu: 0.01}", 0.60)
+    _fedprox_run(root, 2, "fedprox", 0.70)
+    report = build_report([root])
+    assert {(g.algorithm, g.target, len(g.runs)) for g in report.groups} == {
+        ("fedprox", "photo", 3), ("fedprox", "sketch", 3)
+    }  # fmt: skip
+    assert report.groups[0].stats["ood_acc"].mean == pytest.approx(0.60)
+    assert not [w for w in report.warnings if "differ" in w]
+    _fedprox_run(root, 3, "{name: fedprox, mu: 0.1}", 0.40)
+    rows = {(g.algorithm, len(g.runs)) for g in build_report([root]).groups}
+    assert rows == {("fedprox (mu=0.01)", 3), ("fedprox (mu=0.1)", 1)}
