@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -65,6 +66,11 @@ class _HelpWithMethods(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command != "list":  # the others need them: loaded while Ctrl-C exits at once
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # from here: KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # on a terminal, rich's layout; otherwise (a batch job, CI, a redirect) plain lines
     handler = (
         RichHandler(console=console, show_path=False)
