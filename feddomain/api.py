@@ -204,17 +204,11 @@ def run(
 
 
 def _resumed_config(out: Path, wanted: ExperimentConfig | None) -> ExperimentConfig:
-    """The config saved in ``out``; ``wanted`` (if given) must be the same."""
-    saved = out / "config.yaml"
-    if not saved.is_file():
-        raise FeddomainError(f"--resume {out}: no config.yaml there, so nothing to resume")
-    cfg = config_module.load_config(saved)
-    if wanted is not None and wanted.to_dict() != cfg.to_dict():
-        raise FeddomainError(
-            f"--resume {out}: the config given differs from the saved {saved}; resume with "
-            "the saved config (omit CONFIG) or start a new --out"
-        )
-    return cfg
+    """The config saved in ``out``, or ``wanted``, which may differ from it only by a larger
+    ``rounds`` (extending a finished run: ``feddomain.resume``)."""
+    from feddomain.resume import resumed_config
+
+    return resumed_config(out, wanted)
 
 
 def run_experiment(
@@ -306,9 +300,10 @@ def _default_run_name(cfg: ExperimentConfig, split: str) -> str:
 
 
 def _scores(record: dict) -> str:
-    """'id 0.912  ood 0.453' (id '-' when the clients hold no validation data)."""
-    id_acc = "-" if record.get("id_acc") is None else f"{record['id_acc']:.3f}"
-    ood_acc = "-" if record.get("ood_acc") is None else f"{record['ood_acc']:.3f}"
+    """'id 91.2%  ood 45.3%', in the report tables' unit (id '-' when the clients hold no
+    validation data)."""
+    id_acc = "-" if record.get("id_acc") is None else f"{100 * record['id_acc']:.1f}%"
+    ood_acc = "-" if record.get("ood_acc") is None else f"{100 * record['ood_acc']:.1f}%"
     return f"id {id_acc}  ood {ood_acc}"
 
 

@@ -11,16 +11,13 @@ import inspect
 import json
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-import feddomain
-from feddomain.config import ExperimentConfig
+from feddomain.config import SHIPPED_DIR, ExperimentConfig, shipped_name
 
-PROJECT_ROOT = Path(feddomain.__file__).resolve().parents[1]
 Row = tuple[str, str]  # (name, one-line description)
 
 
@@ -95,13 +92,14 @@ def datasets() -> list[Row]:
     return rows
 
 
-def configs(root: Path = PROJECT_ROOT / "configs") -> list[Row]:
-    """Every shipped config with the first line of its leading comment."""
+def configs() -> list[Row]:
+    """Every shipped config, by the name ``feddomain run`` accepts from any folder
+    (``feddomain:pacs/lenet32``), with the first line of its leading comment."""
     rows = []
-    for path in sorted(root.rglob("*.yaml")):
+    for path in sorted(SHIPPED_DIR.rglob("*.yaml")):
         first = next(iter(path.read_text().splitlines()), "")
         comment = first.lstrip("# ").strip() if first.startswith("#") else ""
-        rows.append((str(path.relative_to(root.parent)), comment))
+        rows.append((shipped_name(path), comment))
     return rows
 
 

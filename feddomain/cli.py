@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -48,9 +49,28 @@ def _methods_epilog() -> str:
     return "methods (algorithm.name):\n" + "\n".join(lines)
 
 
+class _HelpWithMethods(argparse.Action):
+    """``run --help``: the help text with every registered method appended, listed only when
+    asked for, because listing them imports every method (POT, SciPy, torchvision: seconds),
+    which ``--version`` and the other commands' help need not wait for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.epilog = _methods_epilog()
+        parser.print_help()
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command != "list":  # the others need them: loaded while Ctrl-C exits at once
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # from here: KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # on a terminal, rich's layout; otherwise (a batch job, CI, a redirect) plain lines
     handler = (
         RichHandler(console=console, show_path=False)
@@ -80,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 EXAMPLES = """examples:
   feddomain demo                                    # 4 methods on the built-in digits (~2 min)
   feddomain list methods                            # also: models, datasets, configs
-  feddomain run configs/demo.yaml algorithm=fedprox split.targets=sketch --out runs/prox
-  feddomain run configs/demo.yaml --dry-run         # resolved config and partition, no training
+  feddomain run feddomain:demo algorithm=fedprox split.targets=sketch --out runs/prox
+  feddomain run feddomain:demo --dry-run            # a shipped config, from any folder
   feddomain run --resume runs/prox                  # continue an interrupted run
+  feddomain run --resume runs/prox rounds=16        # extend a finished run to 16 rounds
   feddomain report runs/prox --out report/ --html   # tables (md, CSV, LaTeX), plots, HTML
 
 docs (in the repository): README.md; every config key and method hyper-parameter:
@@ -117,15 +138,23 @@ def _parser() -> argparse.ArgumentParser:
         help="run one experiment config (all its target splits)",
         description="Run one experiment config (all its target splits). Every config key: "
         "docs/config.md.",
-        epilog=_methods_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    run.add_argument(
+        "-h", "--help", action=_HelpWithMethods, help="show this help message and exit"
     )
     run.add_argument("config", type=Path, nargs="?", help="YAML config (optional with --resume)")
     run.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. rounds=50 algorithm.mu=0.01"
     )
     run.add_argument("--out", type=Path, help="new output directory (must not hold files)")
-    run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run")
+    run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue an interrupted run; with rounds=N (more rounds), extend a finished one",
+    )
     run.add_argument(
         "--quiet", action="store_true", help="no per-round progress; the result is still printed"
     )
@@ -282,7 +311,13 @@ def cmd_run(args: argparse.Namespace) -> None:
             raise FeddomainError("feddomain run --dry-run needs CONFIG")
         dry_run(load_config(args.config, args.overrides))
         return
-    cfg = None if args.config is None else load_config(args.config, args.overrides)
+    config, overrides = args.config, args.overrides
+    resume_override = config is not None and "=" in str(config) and not config.exists()
+    if args.resume is not None and resume_override:  # `--resume DIR rounds=20`: not a file
+        config, overrides = None, [str(config), *overrides]
+    if args.resume is not None and config is None and overrides:
+        config = args.resume / "config.yaml"  # the saved config with these overrides
+    cfg = None if config is None else load_config(config, overrides)
     out = args.resume if args.resume is not None else args.out
     api.run(cfg, out, resume=args.resume is not None, quiet=args.quiet)
 
@@ -312,9 +347,7 @@ DEMO_STORY = (
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    config = PROJECT_ROOT / "configs" / "demo.yaml"
-    if not config.is_file():
-        raise FeddomainError(f"demo config not found at {config}; run from a clone of feddomain")
+    config = Path("feddomain:demo")
     out = args.out or Path(tempfile.mkdtemp(prefix="feddomain-demo-"))
     if out.exists() and any(out.iterdir()):
         raise FeddomainError(f"output directory {out} already holds files; choose a new --out")

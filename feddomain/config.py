@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -257,6 +258,9 @@ class CheckpointConfig(Section):
 
     every: int = Field(5, ge=0)
     """Checkpoint every this many rounds; 0: never (an interrupted run restarts)."""
+    keep_final: bool = True
+    """Keep a finished run's last state (`final_checkpoint.pt`), so `feddomain run --resume DIR
+    rounds=N` can extend it to N rounds; false deletes it (disk-bound sweeps)."""
 
 
 class MlflowConfig(Section):
@@ -395,11 +399,35 @@ def default_threads() -> int:
     return max(1, cores // 2)
 
 
+SHIPPED = "feddomain:"  # names a config shipped with the package, e.g. feddomain:demo
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/
+
+
+def shipped_config(name: str) -> Path:
+    """The file of shipped config ``name`` (``feddomain:pacs/lenet32``, ``.yaml`` optional),
+    inside the installed package, so it works from any folder and without a clone."""
+    rel = name.removeprefix(SHIPPED).removesuffix(".yaml") + ".yaml"
+    path = SHIPPED_DIR / rel
+    if ".." in Path(rel).parts or not path.is_file():
+        names = [shipped_name(p) for p in sorted(SHIPPED_DIR.rglob("*.yaml"))]
+        raise ConfigError(
+            f"no shipped config {name!r}{closest(SHIPPED + rel.removesuffix('.yaml'), names)}"
+            " (`feddomain list configs` lists them)"
+        )
+    return path
+
+
+def shipped_name(path: Path) -> str:
+    """How ``feddomain list configs`` names a shipped config file: ``feddomain:pacs/lenet32``."""
+    return SHIPPED + path.relative_to(SHIPPED_DIR).with_suffix("").as_posix()
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate."""
+    """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate.
+    ``feddomain:NAME`` reads a shipped config (``shipped_config``)."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = shipped_config(str(path)) if str(path).startswith(SHIPPED) else Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
@@ -412,7 +440,57 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
     for item in overrides or []:
         apply_override(raw, item)
-    return validate_config(raw, source=str(path) if path else "defaults")
+    source = str(path) if path else "defaults"
+    if overrides:
+        source += " and the command line"
+    try:
+        return validate_config(raw, source=source)
+    except ConfigError as err:
+        raise ConfigError(_blame_overrides(str(err), overrides or [])) from None
+
+
+def _blame_overrides(message: str, overrides: list[str]) -> str:
+    """``message`` with each line that quotes a key set on the command line marked with that
+    override, so a bad ``rounds=abc`` is not looked for in the YAML file the header names."""
+    keys = {item.partition("=")[0].strip(): item for item in overrides}
+    lines = message.split("\n")
+    for i, line in enumerate(lines):
+        first = re.search(r"'([A-Za-z_][\w.]*)'", line)  # the key at fault; later: hints
+        blamed = _overrides_of(first.group(1), keys) if first else []
+        if blamed:
+            lines[i] = f"{line} [from the command line: {', '.join(blamed)}]"
+    return "\n".join(lines)
+
+
+def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Each dotted key whose value differs between two resolved configs (``to_dict()``), as
+    ``'rounds: 12 vs 20'`` (``before``'s value first; ``-`` where a key is absent), in key
+    order: what a refused resume names instead of only saying that the settings differ."""
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    missing = object()
+    lines = []
+    for key in sorted(flat_before.keys() | flat_after.keys()):
+        old, new = flat_before.get(key, missing), flat_after.get(key, missing)
+        if old != new:
+            lines.append(f"{key}: {_shown(old, missing)} vs {_shown(new, missing)}")
+    return lines
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown(value: Any, missing: object) -> str:
+    """A value as a config would spell it (YAML flow style); ``-`` for an absent key."""
+    if value is missing:
+        return "-"
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -433,6 +511,17 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         node[parts[-1]] = text
+
+
+def _overrides_of(key: str, overrides: dict[str, str]) -> list[str]:
+    """The overrides that set ``key``: the one naming it, else the closest section holding it
+    (``algorithm=fedprox`` for ``algorithm.mu``), else those setting keys inside it."""
+    if key in overrides:
+        return [overrides[key]]
+    sections = [k for k in overrides if key.startswith(k + ".")]
+    if sections:
+        return [overrides[max(sections, key=len)]]
+    return [item for k, item in overrides.items() if k.startswith(key + ".")]
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:

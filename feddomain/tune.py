@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from feddomain.algorithms.space import LR_KEY, Dimension, lr_dimension
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.sweep import RunState, SweepRun, plan, run_sweep, split_targets, yaml_text
 
 if TYPE_CHECKING:
     import optuna
+
+    from feddomain.algorithms.space import Dimension
 
 log = logging.getLogger("feddomain")
 
@@ -176,7 +177,8 @@ def search_space(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> dict[s
     """The dotted keys a tune of ``cfg`` searches: the client lr (around ``train.lr``) and the
     method's declared space (a composed client part's under ``algorithm.client.``), less the
     keys ``overrides`` set explicitly."""
-    from feddomain.algorithms import resolve_method
+    from feddomain.algorithms import resolve_method  # late: `--help` need not load the methods
+    from feddomain.algorithms.space import LR_KEY, lr_dimension
 
     method = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams)
     space: dict[str, Dimension] = {LR_KEY: lr_dimension(cfg.train.lr)}

@@ -118,7 +118,9 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
         assert summary["rounds"] == 1
         cell, avg, seeds, budget, selected = table[method]
         assert (seeds, budget, selected) == ("1", "1×1", "1")
-        assert cell == f"{100 * summary['ood_acc']:.1f}" == avg  # one seed: no spread
+        # one seed: no spread; † marks a value below chance (possible after 1 round)
+        below = "†" if summary["ood_acc"] < 0.1 else ""
+        assert cell == f"{100 * summary['ood_acc']:.1f}{below}" and avg == cell.removesuffix("†")
     assert set(markdown_rows(printed, "— id accuracy (%)")) == set(DEMO_METHODS)
     assert (out / "report" / "report.csv").is_file() and (out / "report" / "report.md").is_file()
     assert printed.rstrip().endswith(f"open in a browser: {out / 'report' / 'report.html'}")
@@ -126,22 +128,29 @@ def test_demo_trains_the_four_methods_and_prints_their_method_by_target_table(tm
 
 
 def test_the_demo_tells_the_fdg_story_on_every_target(tmp_path, capsys):
-    """Catches the demo's first table looking like a bug or telling no story: a target below
-    chance under some method (grey was at 0.1-0.4% under every method with LeNet-5 and no colour
-    inversion), a federated method not ahead of Local-only on the average unseen domain, or
-    Central (all source data pooled) not the upper reference. Margins measured with seeds 0 and
-    1: ood above 15% everywhere, federated 7-9 points ahead of Local-only, Central 15 ahead."""
-    assert main(["demo", "--out", str(tmp_path / "demo"), "--quiet"]) == 0  # ~1-2 min
+    """Catches the demo's first table looking like a bug or telling no story: a federated
+    method or Central below 90% in-domain (FedAvg fitted 42% with a CNN that averaged its last
+    map away, still learning at round 8), a target below chance under some method (grey was at
+    0.1-0.4% under every method with LeNet-5 and no colour inversion), a federated method not
+    ahead of Local-only on the average unseen domain, or Central (all source data pooled, one
+    set of BatchNorm statistics) not ahead of both. Measured with seeds 0 and 1: in-domain
+    90.9/90.5 (FedAvg), 91.5/90.9 (FedProx), 93.7/93.7 (Central); every ood cell above 39%;
+    federated 7.9-9.4 points ahead of Local-only; Central 0.9 and 2.6 points ahead of the
+    better federated method (mnistm, the textured target, makes the difference)."""
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--quiet"]) == 0  # ~2 min
     printed = capsys.readouterr().out
     table = markdown_rows(printed, "— ood accuracy (%)")
     average = {method: float(row[4]) for method, row in table.items()}
     for method, row in table.items():
         for target, cell in zip(("grey", "inverted", "mnistm", "sketch"), row[:4], strict=True):
             assert float(cell) > 12.0, (method, target, cell)  # chance is 10%
-    assert "below chance" not in printed
+    assert "below chance" not in printed and "†" not in printed
+    in_domain = markdown_rows(printed, "— id accuracy (%)")
+    for method in ("fedavg", "fedprox", "central"):
+        assert float(in_domain[method][4]) >= 90.0, (method, in_domain[method])
     for federated in ("fedavg", "fedprox"):
-        assert average[federated] > average["local"] + 3, average
-    assert average["central"] > max(average["fedavg"], average["fedprox"]) + 5, average
+        assert average[federated] > average["local"] + 5, average
+    assert average["central"] > max(average["fedavg"], average["fedprox"]), average
 
 
 def test_run_help_lists_every_method_with_its_description(capsys):

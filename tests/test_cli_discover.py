@@ -40,9 +40,9 @@ def test_list_names_every_registered_entry_with_a_description(capsys):
     assert "art_painting, cartoon, photo, sketch" in datasets["PACS"]
     assert "grey, mnistm, inverted, sketch" in datasets["digits_embedded"]
     configs = _listed(capsys, "configs")
-    shipped = {str(p.relative_to(PROJECT)) for p in (PROJECT / "configs").rglob("*.yaml")}
-    assert set(configs) == shipped
-    assert configs["configs/demo.yaml"].startswith("feddomain demo:")
+    shipped = (p.relative_to(PROJECT / "configs") for p in (PROJECT / "configs").rglob("*.yaml"))
+    assert set(configs) == {f"feddomain:{p.with_suffix('').as_posix()}" for p in shipped}
+    assert configs["feddomain:demo"].startswith("feddomain demo:")
 
 
 def test_dry_run_prints_the_resolved_config_and_partition_and_writes_nothing(
@@ -81,7 +81,7 @@ def test_every_argument_has_help_and_the_top_level_help_shows_examples(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    assert "examples:" in text and "feddomain run configs/demo.yaml" in text
+    assert "examples:" in text and "feddomain run feddomain:demo" in text
     assert "docs/config.md" in text
 
 

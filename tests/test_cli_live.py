@@ -70,9 +70,9 @@ def test_without_a_terminal_each_evaluated_round_is_one_plain_line(tmp_path):
     assert [line.split(" round ")[1].split()[0] for line in rounds] == ["2/4", "4/4"]
     summary = json.loads((out / "summary.json").read_text())
     last = json.loads(_lines(out / "metrics.jsonl")[-1])
-    assert f"ood {last['ood_acc']:.3f}" in rounds[-1]
+    assert f"ood {100 * last['ood_acc']:.1f}%" in rounds[-1]  # the report tables' unit
     (result,) = _lines(tmp_path / "stdout.log")
-    assert f"ood {summary['ood_acc']:.3f}" in result and str(out) in result
+    assert f"ood {100 * summary['ood_acc']:.1f}%" in result and str(out) in result
 
 
 def test_quiet_prints_the_final_result_and_nothing_per_round(tmp_path, capsys):
@@ -83,7 +83,7 @@ def test_quiet_prints_the_final_result_and_nothing_per_round(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert " round 2/4" not in captured.err
     (result,) = captured.out.splitlines()
-    assert f"ood {summary['ood_acc']:.3f}" in result
+    assert f"ood {100 * summary['ood_acc']:.1f}%" in result
     assert f"round {summary['selected_round']})" in result
 
 

@@ -145,3 +145,103 @@ def test_a_corrupt_checkpoint_is_named_and_nothing_is_overwritten(small_config, 
     assert f"{out / 'checkpoint.pt'} cannot be read" in err
     assert "delete it to restart the run from round 1" in err
     assert (out / "checkpoint.pt").read_bytes() == b"\x80\x02 half a pickle"
+
+
+EXTEND = {
+    **SMALL,
+    "rounds": 3,  # round 3 is evaluated only as the last: the extension must not keep it
+    "topology": {"sample_fraction": 0.67},  # 2 of 3 clients a round: the sampling stream too
+    "checkpoint": {"every": 0},  # the final state is kept all the same (checkpoint.keep_final)
+}
+
+
+def _records(run_dir: Path, name: str) -> list[dict]:
+    lines = (run_dir / name).read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k != "time"} for x in lines]
+
+
+def test_a_finished_run_extended_to_more_rounds_equals_a_run_of_that_length(tmp_path, capsys):
+    """Catches an extension (`run --resume DIR rounds=5` on a finished 3-round run) that is not
+    the 5-round run: one that keeps round 3's evaluation (taken only because it was the last,
+    so source_val could select it), restarts from round 1, redraws the clients of rounds 4-5,
+    or leaves the saved config at 3 rounds."""
+    config = tmp_path / "extend.yaml"
+    config.write_text(yaml.safe_dump(EXTEND))
+    short, straight = tmp_path / "short", tmp_path / "straight"
+    assert main(["run", str(config), "--out", str(short), "--quiet"]) == 0
+    assert [r["round"] for r in _records(short, "metrics.jsonl")] == [2, 3]
+    assert not (short / "checkpoint.pt").exists() and (short / "final_checkpoint.pt").exists()
+    assert main(["run", "--resume", str(short), "rounds=5", "--quiet"]) == 0
+    assert main(["run", str(config), "rounds=5", "--out", str(straight), "--quiet"]) == 0
+    assert _records(short, "metrics.jsonl") == _records(straight, "metrics.jsonl")
+    assert [r["round"] for r in _records(short, "metrics.jsonl")] == [2, 4, 5]
+    assert _records(short, "rounds.jsonl") == _records(straight, "rounds.jsonl")
+    assert _summary(short) == _summary(straight)
+    assert yaml.safe_load((short / "config.yaml").read_text())["rounds"] == 5
+    assert "round 5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("train.schedule=cosine", "train.schedule=cosine sets every round's learning rate"),
+        ("checkpoint.keep_final=false", "finished without keeping its final state"),
+    ],
+)
+def test_an_extension_that_would_not_be_the_longer_run_is_refused_by_name(
+    override, named, tmp_path, capsys
+):
+    """Catches an extension silently unlike the longer run: a cosine schedule sets each
+    round's rate from the total rounds; a run that did not keep its final state would restart.
+    The refused run is left as it was (still finished, still 2 rounds)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**EXTEND, "rounds": 2}))
+    out = tmp_path / "run"
+    assert main(["run", str(config), override, "--out", str(out), "--quiet"]) == 0
+    before = (out / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "rounds=4", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "extending 2 rounds to 4 is refused" in err and named in err
+    assert (out / "summary.json").read_text() == before
+    assert yaml.safe_load((out / "config.yaml").read_text())["rounds"] == 2
+
+
+def test_feddg_ga_declares_that_it_uses_the_total_rounds():
+    """Catches FedDG-GA extended as if its step size (d0 (1 - (r - 1) / rounds)) did not
+    depend on the run's length, and that flag leaking onto FedAvg."""
+    from feddomain.algorithms import METHODS
+
+    assert METHODS["feddg_ga"].uses_total_rounds and not METHODS["fedavg"].uses_total_rounds
+
+
+def test_resuming_with_other_settings_names_each_key_and_both_values(
+    small_config, tmp_path, capsys
+):
+    """Catches a refused resume that only says the settings differ: it must name each key
+    with the saved and the given value (`rounds: 4 vs 2`, `train.lr: 0.002 vs 0.01`); and a
+    shorter run refused as such."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text(small_config.read_text())
+    argv = ["run", "--resume", str(out), str(small_config), "train.lr=0.01", "seed=4"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "(saved vs given): seed: 3 vs 4; train.lr: 0.002 vs 0.01." in err
+    assert main(["run", "--resume", str(out), "rounds=2"]) == 2
+    assert "rounds: 4 vs 2: a run cannot be shortened" in " ".join(capsys.readouterr().err.split())
+
+
+def test_extending_a_run_made_on_flower_is_refused(tmp_path, capsys):
+    """Catches an extension of a Flower run in the simulator: its clients' state lived on the
+    SuperNodes, not in its final state, so a stateful method would go on from empty states."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**EXTEND, "rounds": 1}))
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "runner": "flower"}))
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "rounds=2", "--quiet"]) == 2
+    assert "ran on Flower, whose clients keep their state" in capsys.readouterr().err
+    assert (out / "final_checkpoint.pt").is_file() and not (out / "checkpoint.pt").exists()

@@ -96,3 +96,40 @@ def test_every_shipped_config_validates_and_names_its_experiment_uniquely():
     names = [load_config(path).name for path in paths]  # raises ConfigError on a bad key
     assert len(paths) >= 10
     assert len(set(names)) == len(names), names
+
+
+def test_a_bad_override_is_blamed_on_the_command_line_and_a_bad_file_key_on_the_file(tmp_path):
+    """Catches an error a command-line override caused read as one of the YAML file's (the
+    user searches the file for `rounds: abc`): each line names the override at fault, the
+    section override for a method's hyper-parameter, and a line the file caused names none."""
+    path = tmp_path / "c.yaml"
+    path.write_text("rounds: 7\ntrain:\n  lrr: 0.01\nalgorithm: fedavg\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["rounds=abc", "seed=2"])
+    header, *lines = str(err.value).splitlines()
+    assert header == f"invalid configuration ({path} and the command line):"
+    (rounds,) = [line for line in lines if "'rounds'" in line]
+    (lrr,) = [line for line in lines if "train.lrr" in line]
+    assert rounds.endswith("[from the command line: rounds=abc]")
+    assert "command line" not in lrr
+    path.write_text("rounds: 7\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["algorithm=fedprox", "algorithm.muu=3"])
+    assert str(err.value).splitlines()[1].endswith("[from the command line: algorithm.muu=3]")
+
+
+def test_config_differences_name_each_dotted_key_with_both_values():
+    """Catches a refused resume or sweep that cannot say what differs: nested keys dotted,
+    values as YAML spells them, a key one side lacks shown as '-', equal keys left out."""
+    from feddomain.config import config_differences
+
+    saved = {"rounds": 12, "train": {"lr": 0.1, "augment": {"invert_p": 0.5}}, "seed": 0}
+    given = {"rounds": 20, "train": {"lr": 1e-5, "augment": {}}, "seed": 0, "name": None}
+    assert config_differences(saved, given) == [
+        "name: - vs null",
+        "rounds: 12 vs 20",
+        "train.augment: - vs {}",
+        "train.augment.invert_p: 0.5 vs -",
+        "train.lr: 0.1 vs 1.0e-05",
+    ]
+    assert config_differences(saved, saved) == []

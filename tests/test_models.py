@@ -425,3 +425,16 @@ def test_input_normalization_for_pretrained_models() -> None:
     assert input_normalization("vgg11") == IMAGENET_NORMALIZATION
     with pytest.raises(ConfigError, match="unknown name 'vgg16'"):
         input_normalization("vgg16")
+
+
+def test_small_cnn_flatten_pool_feeds_the_classifier_the_whole_last_map() -> None:
+    """Catches ``pool="flatten"`` still averaging over positions (the demo's slow fit) or a
+    classifier sized for the average: at 32 px three 2x2 pools leave 4x4, so 32 widths give
+    32 * 16 = 512 features, and a digit shifted by a block of positions changes them."""
+    model = build_model("small_cnn", 10, norm="batch", widths=[8, 16, 32], pool="flatten")
+    assert model.n_features == 512 and model.classifier.in_features == 512
+    assert not any(isinstance(m, nn.AdaptiveAvgPool2d) for m in model.modules())
+    x = torch.randn(2, 3, 32, 32)
+    assert model.featurizer(x).shape == (2, 512) and model(x).shape == (2, 10)
+    with pytest.raises(ConfigError, match=r"pool='max' is not one of \['avg', 'flatten'\]"):
+        build_model("small_cnn", 10, pool="max")

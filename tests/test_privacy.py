@@ -121,7 +121,8 @@ def test_the_report_shows_the_ledger_per_method(tmp_path):
         (sim.out / "config.yaml").write_text(yaml.safe_dump(sim.cfg.to_dict()))
     lenet_kib = sum(t.numel() for t in fedavg.model.state_dict().values()) * 4 / 1024
     text = build_report([tmp_path / "runs"]).to_markdown()
-    assert "communication per round" in text
+    assert "communication per round, summed over clients (KiB" in text
+    assert "summed over all the clients of that round" in text  # 3 x one client's bytes below
     section = text.split("communication per round")[1].split("\n## ")[0]  # not the time table
     rows = {line.split(" | ")[0]: line for line in section.splitlines() if line.startswith("| ")}
     # per round: 3 clients; columns down model/statistics/scalars, up model/statistics/scalars

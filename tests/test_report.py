@@ -529,3 +529,16 @@ def test_time_per_round_is_averaged_over_rounds_then_runs(runs_root: Path):
     # fedavg: train mean(3, 5) = 4; aggregate mean(0.3, 0.3) = 0.3; merge mean(0.25, 0) = 0.125
     assert timing["fedavg"] == ["4", "0.3", "0.125"]
     assert "hfedf" not in timing  # no rounds.jsonl: no row
+
+
+def test_accuracies_below_chance_are_marked_with_the_chance_level(tmp_path):
+    """Catches a report that prints a below-chance accuracy like any other (the demo flagged
+    such targets; `report` did not), marks one above chance, or uses the wrong chance level:
+    7 PACS classes make chance 14.3%, so 12% is marked and 15% is not; ECE is never marked."""
+    write_run(tmp_path, "fedavg", "sketch", 0, (0.12, 0.9, 0.1))
+    write_run(tmp_path, "fedavg", "photo", 0, (0.15, 0.9, 0.1))
+    md = build_report([tmp_path]).to_markdown()  # source_val: round 10, the values given
+    ood = table(md, "## pacs — ood accuracy (%)")
+    assert ood["fedavg"][:2] == ["15.0", "12.0†"]
+    assert "† below chance (14.3% = 1 / 7 classes)." in md.split("## pacs — id accuracy")[0]
+    assert "†" not in md.split("## pacs — id accuracy")[1]

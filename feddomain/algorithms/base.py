@@ -439,7 +439,9 @@ class MethodSpec:
     method whose client subclasses it. ``space``: the hyper-parameters ``feddomain tune``
     searches and their ranges (``algorithms/space.py``), checked at registration.
     ``image_only``: why the method needs images (or the BatchNorm statistics only image models
-    have); it is refused on text datasets, naming that reason, when the config loads."""
+    have); it is refused on text datasets, naming that reason, when the config loads.
+    ``uses_total_rounds``: its updates depend on the run's total rounds (FedDG-GA's decaying
+    step), so a finished run cannot be extended to more."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -456,6 +458,7 @@ class MethodSpec:
     batchable: bool = False
     space: Space = field(default_factory=dict)
     image_only: str | None = None
+    uses_total_rounds: bool = False  # its updates depend on `rounds`: a run is not extensible
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)

@@ -241,6 +241,7 @@ register(
             "(Zhang et al., CVPR 2023)"
         ),
         check_config=check_config,
+        uses_total_rounds=True,  # the step size decays over the run's rounds
         space={"d0": LogUniform(1 / 30, 1.0)},  # x/10 .. x3 around FISC's 1/3 (official 0.0667)
     )
 )

@@ -76,6 +76,8 @@ METRIC_TITLES = {
     "grad_cos_pairwise": "mean pairwise cosine of client gradients",
     "embedding_l2": "mean pairwise distance of client embeddings",
 }
+ACCURACIES = frozenset({"ood_acc", "id_acc", "worst_domain_acc", "worst_client_acc"})
+BELOW_CHANCE = "†"  # marks an accuracy cell whose mean is below chance (1 / number of classes)
 PERCENT = frozenset(
     {
         "ood_acc",
@@ -129,6 +131,20 @@ class RunResult:
     def budget(self) -> str:
         """Training budget: global rounds × local epochs per round."""
         return f"{self.summary['rounds']}×{self.local_epochs}"
+
+    @property
+    def chance(self) -> float | None:
+        """The accuracy of guessing, 1 / classes (the summary's classes, or the dataset's
+        built-in ones for runs written before summaries held them); None when unknown."""
+        classes = self.summary.get("classes")
+        if classes is None:
+            from feddomain.data.sources import get_spec
+
+            try:
+                classes = get_spec(self.dataset).classes
+            except DataError:  # a dataset this version does not know
+                classes = None
+        return 1 / len(classes) if classes else None
 
 
 @dataclass(frozen=True)
@@ -216,6 +232,8 @@ class Report:
                 header, *body = self.table_rows(dataset, metric)
                 lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
                 lines += ["| " + " | ".join(row) + " |" for row in body]
+                if any(cell.endswith(BELOW_CHANCE) for row in body for cell in row):
+                    lines += ["", f"{BELOW_CHANCE} below chance ({self._chance(dataset)})."]
             lines += self._communication(dataset)
             lines += self._timing(dataset)
         lines += claims_markdown(self.claims) + tuning_markdown(self.tuning)
@@ -245,6 +263,18 @@ class Report:
     def datasets(self) -> list[str]:
         return sorted({g.dataset for g in self.groups})
 
+    def _chance(self, dataset: str) -> str:
+        """``'10% = 1 / 10 classes'`` for the dataset's runs (several values if they differ)."""
+        chances = sorted({r.chance for r in self.runs if r.dataset == dataset and r.chance})
+        return ", ".join(f"{100 * c:.3g}% = 1 / {round(1 / c)} classes" for c in chances)
+
+    @staticmethod
+    def _below_chance(group: GroupResult, metric: str) -> bool:
+        chances = {r.chance for r in group.runs}
+        if metric not in ACCURACIES or None in chances or len(chances) != 1:
+            return False
+        return group.stats[metric].mean < chances.pop()
+
     def table_rows(self, dataset: str, metric: str, pm: str = "±") -> list[list[str]]:
         """Header, then one row per method: its cells per target, avg, seeds, budget, round."""
         groups = {(g.algorithm, g.target): g for g in self.groups if g.dataset == dataset}
@@ -258,7 +288,13 @@ class Report:
             whole = len(present) == len(targets)
             avg = _number(sum(means) / len(means), percent) if whole else "—"
             runs = [r for g in present for r in g.runs]
-            row = [g.stats[metric].cell(self.spread, pm, percent) if g else "—" for g in cells]
+            row = [
+                g.stats[metric].cell(self.spread, pm, percent)
+                + (BELOW_CHANCE if self._below_chance(g, metric) else "")
+                if g
+                else "—"
+                for g in cells
+            ]
             rows.append([algo, *row, avg, _span(len(g.runs) for g in present),
                          ", ".join(sorted({r.budget for r in runs})),
                          _span(r.selected["selected_round"] for r in runs)])  # fmt: skip
@@ -282,8 +318,10 @@ class Report:
         columns = [(d, k) for d in ("down", "up") for k in KINDS]
         lines = [
             "",
-            f"## {dataset} — communication per round (KiB, mean over runs)",
+            f"## {dataset} — communication per round, summed over clients (KiB, mean over runs)",
             "",
+            "Each cell is one round's bytes summed over all the clients of that round (one "
+            "client's share: divide by the clients per round). "
             "down: toward the clients; up: toward the server; a run with stations has a row per "
             "link (client-station, station-server). model: arrays shaped like the model's; "
             "statistics: any other array; scalars: 8 bytes per number.",

@@ -13,6 +13,7 @@ import torch
 from feddomain.errors import FeddomainError
 
 FILENAME = "checkpoint.pt"
+FINAL = "final_checkpoint.pt"  # a finished run's last state: what extends it to more rounds
 
 
 def save(run_dir: Path, state: dict[str, Any]) -> None:
@@ -54,6 +55,17 @@ def read(path: Path, remedy: str) -> Any:
 
 def remove(run_dir: Path) -> None:
     (run_dir / FILENAME).unlink(missing_ok=True)
+
+
+def keep_final(run_dir: Path) -> None:
+    """Set a finished run's last checkpoint aside as its final state: ``checkpoint.pt`` means
+    an unfinished run to resume, ``final_checkpoint.pt`` a finished one that may be extended."""
+    os.replace(run_dir / FILENAME, run_dir / FINAL)
+
+
+def reopen_final(run_dir: Path) -> None:
+    """Make a finished run's final state its checkpoint again, to run more rounds from it."""
+    os.replace(run_dir / FINAL, run_dir / FILENAME)
 
 
 def fingerprint(state: Any) -> str:

@@ -68,7 +68,10 @@ def apply_determinism(deterministic: bool) -> None:
     that ran a deterministic run does not carry the setting into the next."""
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(deterministic)
+    if torch.are_deterministic_algorithms_enabled() != deterministic:
+        # only on a change: setting it imports torch's compiler config (SymPy), seconds of
+        # start-up for a run that keeps the default
+        torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = False
 

@@ -185,7 +185,12 @@ class Simulation:
         for rnd in range(start_round, self.cfg.rounds + 1):
             record = self._round(rnd)
             self.round_log.append(record)
-            if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
+            last, scheduled = rnd == self.cfg.rounds, rnd % self.cfg.eval.every == 0
+            if last and not scheduled and self.cfg.checkpoint.keep_final:
+                # the state a longer run has after this round: before the evaluation (and
+                # pilot) that only the last round gets, so an extension replays that run
+                self._save(rnd, self.elapsed + time.perf_counter() - session_start)
+            if scheduled or last:
                 t0 = time.perf_counter()
                 self._pilot(rnd)
                 record = {**record, **self.evaluate()}
@@ -201,14 +206,19 @@ class Simulation:
             if self.progress:
                 self.progress(rnd, record if "id_acc" in record else None)
             every = self.cfg.checkpoint.every
-            if every and (rnd % every == 0) and rnd < self.cfg.rounds:
+            if (every and rnd % every == 0 and not last) or (
+                last and scheduled and self.cfg.checkpoint.keep_final
+            ):
                 self._save(rnd, self.elapsed + time.perf_counter() - session_start)
         wall = self.elapsed + time.perf_counter() - session_start
         summary = self.summary(wall)
         if self.server.exports_state:
             summary["server_state"] = self._export_state()
         _write_json_atomic(self.out / "summary.json", summary)
-        checkpoint.remove(self.out)
+        if self.cfg.checkpoint.keep_final:
+            checkpoint.keep_final(self.out)
+        else:
+            checkpoint.remove(self.out)
         return summary
 
     def _round(self, rnd: int) -> dict[str, Any]:
@@ -681,6 +691,7 @@ class Simulation:
             "seed": cfg.seed,
             "rounds": cfg.rounds,
             "n_clients": self.data.n_clients,
+            "classes": list(self.data.classes),  # chance is 1 / len: report marks results below it
             "selection": chosen["selection"],
             "selected_round": chosen["selected_round"],
             **{k: chosen.get(k) for k in headline},

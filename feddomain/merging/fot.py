@@ -21,10 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-import ot
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from feddomain.merging.permutation import Arrays, PermutationSpec, apply_permutations
@@ -43,6 +41,8 @@ class Solver:
 
     def __call__(self, cost: np.ndarray) -> np.ndarray:
         """perm with perm[a] = the column matched to row a."""
+        from scipy.optimize import linear_sum_assignment  # late, as POT: HFedATM runs only
+
         if self.kind == "exact":
             return linear_sum_assignment(cost)[1]
         plan = sinkhorn_plan(cost, self.reg, self.iterations)
@@ -52,6 +52,8 @@ class Solver:
 def sinkhorn_plan(cost: np.ndarray, reg: float, iterations: int) -> np.ndarray:
     """POT's log-domain Sinkhorn with marginals 1_k, for exactly ``iterations`` iterations
     (stopThr 0: no early stop; the non-convergence warning is expected and silenced)."""
+    import ot  # late: POT imports scikit-learn, seconds of start-up every other method skips
+
     ones = np.ones(cost.shape[0])
     return ot.sinkhorn(
         ones,
@@ -68,6 +70,8 @@ def sinkhorn_plan(cost: np.ndarray, reg: float, iterations: int) -> np.ndarray:
 def filter_cost(reference: Tensor, other: Tensor) -> np.ndarray:
     """Squared Euclidean distances between the ℓ2-normalised flattened filters (rows of axis 0)
     of two conv weights, float64; an all-zero filter stays zero."""
+    import ot
+
     a = F.normalize(reference.reshape(reference.shape[0], -1).double(), dim=1)
     b = F.normalize(other.reshape(other.shape[0], -1).double(), dim=1)
     return ot.dist(a.numpy(), b.numpy(), metric="sqeuclidean")

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock
 
 from feddomain.errors import ConfigError
 
@@ -258,6 +257,8 @@ def resnet_spec(model: nn.Module) -> PermutationSpec:
     next), and each block's conv1/bn1 is its own group (``<block>.inner``). Solve order (§3.4.4):
     res0 (stem), then per block its inner group, and a new residual group right after the inner
     group of the block that opens it (its conv2 and downsample inputs are solved by then)."""
+    from torchvision.models.resnet import BasicBlock  # late: seconds of start-up (SymPy)
+
     f = "featurizer"
     order = ["res0"]
     members: dict[str, tuple[list[str], list[str]]] = {"res0": ([f"{f}.conv1"], [f"{f}.bn1"])}

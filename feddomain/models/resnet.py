@@ -8,19 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torchvision import models as tvm
 
 from feddomain.errors import ConfigError
 from feddomain.models.base import FeatureClassifier
 
+if TYPE_CHECKING:
+    from torchvision.models import ResNet
+
 _HEAD_PREFIX = "fc."
-_FACTORIES: dict[str, Callable[..., tvm.ResNet]] = {
-    "resnet18": tvm.resnet18,
-    "resnet50": tvm.resnet50,
-}
+
+
+def _factory(arch: str) -> Callable[..., ResNet]:
+    """torchvision's builder of ``arch``, imported when a ResNet is built: torchvision costs
+    seconds at start-up (it pulls in SymPy), which runs of the small models need not pay."""
+    from torchvision import models as tvm
+
+    return getattr(tvm, arch)
 
 
 def read_state_dict(path: Path, what: str = "weights_path") -> dict[str, torch.Tensor]:
@@ -71,7 +78,7 @@ def check_weights_path(arch: str, weights_path: str) -> None:
     """The checks the weights file gets when the model is built, against a network on the meta
     device (no memory): for a config check, before any data is read. ConfigError if it fails."""
     with torch.device("meta"):
-        net = _FACTORIES[arch](weights=None)
+        net = _factory(arch)(weights=None)
     net.fc = nn.Identity()
     _fitting_state(net, weights_path, arch)
 
@@ -82,7 +89,7 @@ def _resnet(
     weights_path: str | None,
     freeze_bn_stats: bool,
 ) -> FeatureClassifier:
-    net = _FACTORIES[arch](weights=None)
+    net = _factory(arch)(weights=None)
     n_features = net.fc.in_features
     net.fc = nn.Identity()
     if weights_path is not None:

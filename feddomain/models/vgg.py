@@ -13,7 +13,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 from torch import nn
-from torchvision import models as tvm
 
 from feddomain.errors import ConfigError
 from feddomain.models.base import FeatureClassifier
@@ -52,6 +51,8 @@ def vgg11(
         raise ConfigError(f"vgg11: resolution={resolution} is below 32 (five 2x2 max-pools)")
     if hidden < 1:
         raise ConfigError(f"vgg11: hidden={hidden} must be a positive int")
+    from torchvision import models as tvm  # late: seconds of start-up other models skip
+
     net = tvm.vgg11(weights=None)
     if weights_path is not None:
         if hidden != TORCHVISION_HIDDEN:
