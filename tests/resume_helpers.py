@@ -91,3 +91,23 @@ def metrics_of(run_dir: Path) -> list[dict[str, Any]]:
 def assert_resumed_equals(resumed: Path, reference: Path) -> None:
     assert summary_of(resumed) == summary_of(reference)
     assert metrics_of(resumed) == metrics_of(reference)
+
+
+def station_resume_config(name: str, algorithm: dict, rounds: int, eval_every: int) -> dict:
+    """A small hierarchical run (4 clients in 2 stations, 2 station rounds a global round,
+    checkpoints every round) for the SIGKILL-and-resume tests of the hierarchical methods."""
+    return {
+        "name": f"resume-{name}",
+        "seed": 3,
+        "rounds": rounds,
+        "dataset": {"name": "digits_embedded", "resolution": 16},
+        "split": {"scheme": "lodo", "targets": ["grey"]},
+        "partition": {"n_clients": 4, "d": 1},
+        "topology": {"stations": 2, "station_rounds": 2},
+        "model": {"name": "lenet5"},
+        "train": {"batch_size": 64, "optimizer": "sgd", "lr": 0.05},
+        "eval": {"every": eval_every},
+        "checkpoint": {"every": 1},
+        "threads": 1,
+        "algorithm": algorithm,
+    }

@@ -25,6 +25,7 @@ from tests.resume_helpers import (
     kill_after_checkpoint,
     resume,
     run_to_end,
+    station_resume_config,
     write_config,
 )
 from tests.test_flower import (
@@ -185,21 +186,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
     """Catches: the global model or the weights of the rounds not yet logged (the server's
     pending diagnostics, evaluated every third round) lost or stale across a SIGKILL and
     --resume."""
-    config = {
-        "name": "resume-fedrc",
-        "seed": 3,
-        "rounds": 3,
-        "dataset": {"name": "digits_embedded", "resolution": 16},
-        "split": {"scheme": "lodo", "targets": ["grey"]},
-        "partition": {"n_clients": 4, "d": 1},
-        "topology": {"stations": 2, "station_rounds": 2},
-        "model": {"name": "lenet5"},
-        "train": {"batch_size": 64, "optimizer": "sgd", "lr": 0.05},
-        "eval": {"every": 3},
-        "checkpoint": {"every": 1},
-        "threads": 1,
-        "algorithm": {"name": "fedrc", "tau": 0.05},
-    }
+    config = station_resume_config("fedrc", {"name": "fedrc", "tau": 0.05}, rounds=3, eval_every=3)
     path = write_config(tmp_path / "fedrc.yaml", config)
     run_to_end(path, tmp_path / "reference")
     out = tmp_path / "killed"

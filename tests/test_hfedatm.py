@@ -23,6 +23,7 @@ from tests.resume_helpers import (
     metrics_of,
     resume,
     run_to_end,
+    station_resume_config,
     write_config,
 )
 from tests.test_flower import (
@@ -161,21 +162,8 @@ def test_a_non_finite_station_payload_is_rejected_and_logged(tmp_path, monkeypat
 def test_sigkill_then_resume_hfedatm_with_fediir_matches_the_uninterrupted_run(tmp_path):
     """Catches: FedIIR's station EMAs (inside HFedATM's station layer), the server's pending
     diagnostics or the global model lost or stale across a SIGKILL and --resume."""
-    config = {
-        "name": "resume-hfedatm",
-        "seed": 3,
-        "rounds": 4,
-        "dataset": {"name": "digits_embedded", "resolution": 16},
-        "split": {"scheme": "lodo", "targets": ["grey"]},
-        "partition": {"n_clients": 4, "d": 1},
-        "topology": {"stations": 2, "station_rounds": 2},
-        "model": {"name": "lenet5"},
-        "train": {"batch_size": 64, "optimizer": "sgd", "lr": 0.05},
-        "eval": {"every": 2},
-        "checkpoint": {"every": 1},
-        "threads": 1,
-        "algorithm": {"name": "hfedatm", "client": {"name": "fediir"}},
-    }
+    algorithm = {"name": "hfedatm", "client": {"name": "fediir"}}
+    config = station_resume_config("hfedatm", algorithm, rounds=4, eval_every=2)
     path = write_config(tmp_path / "hfedatm.yaml", config)
     run_to_end(path, tmp_path / "reference")
     out = tmp_path / "killed"

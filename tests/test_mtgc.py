@@ -23,6 +23,7 @@ from tests.resume_helpers import (
     kill_after_checkpoint,
     resume,
     run_to_end,
+    station_resume_config,
     write_config,
 )
 from tests.test_flower import (
@@ -204,21 +205,7 @@ def test_bad_configurations_are_refused_naming_the_key(overrides, message):
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
     """Catches: the stations' y_j, the model they last sent up or its step length lost or stale
     across a SIGKILL and --resume (y_j's next update would differ)."""
-    config = {
-        "name": "resume-mtgc",
-        "seed": 3,
-        "rounds": 3,
-        "dataset": {"name": "digits_embedded", "resolution": 16},
-        "split": {"scheme": "lodo", "targets": ["grey"]},
-        "partition": {"n_clients": 4, "d": 1},
-        "topology": {"stations": 2, "station_rounds": 2},
-        "model": {"name": "lenet5"},
-        "train": {"batch_size": 64, "optimizer": "sgd", "lr": 0.05},
-        "eval": {"every": 3},
-        "checkpoint": {"every": 1},
-        "threads": 1,
-        "algorithm": {"name": "mtgc"},
-    }
+    config = station_resume_config("mtgc", {"name": "mtgc"}, rounds=3, eval_every=3)
     path = write_config(tmp_path / "mtgc.yaml", config)
     run_to_end(path, tmp_path / "reference")
     out = tmp_path / "killed"
