@@ -52,7 +52,9 @@ def load_config(
     ``values`` (``rounds=4``, ``train={"lr": 0.01}``: a mapping sets the keys it names inside
     that section, as the dotted form does)."""
     items = [*overrides, *_dotted(values)]
-    return config_module.load_config(None if path is None else Path(path), items)
+    return config_module.load_config(
+        None if path is None else Path(path), items, origin="the arguments of load_config"
+    )
 
 
 def _dotted(values: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -422,9 +422,14 @@ def shipped_name(path: Path) -> str:
     return SHIPPED + path.relative_to(SHIPPED_DIR).with_suffix("").as_posix()
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    origin: str = "the command line",
+) -> ExperimentConfig:
     """Read a YAML file (or start from defaults), apply ``a.b=value`` overrides, validate.
-    ``feddomain:NAME`` reads a shipped config (``shipped_config``)."""
+    ``feddomain:NAME`` reads a shipped config (``shipped_config``). ``origin``: where the
+    overrides came from, as messages name it (the Python API's are its arguments)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = shipped_config(str(path)) if str(path).startswith(SHIPPED) else Path(path)
@@ -442,15 +447,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         apply_override(raw, item)
     source = str(path) if path else "defaults"
     if overrides:
-        source += " and the command line"
+        source += f" and {origin}"
     try:
         return validate_config(raw, source=source)
-    except ConfigError as err:
-        raise ConfigError(_blame_overrides(str(err), overrides or [])) from None
+    except ConfigError as err:  # the same kind (a PluginError stays one), blamed where due
+        raise type(err)(_blame_overrides(str(err), overrides or [], origin)) from None
 
 
-def _blame_overrides(message: str, overrides: list[str]) -> str:
-    """``message`` with each line that quotes a key set on the command line marked with that
+def _blame_overrides(message: str, overrides: list[str], origin: str) -> str:
+    """``message`` with each line that quotes a key set by an override marked with that
     override, so a bad ``rounds=abc`` is not looked for in the YAML file the header names."""
     keys = {item.partition("=")[0].strip(): item for item in overrides}
     lines = message.split("\n")
@@ -458,7 +463,7 @@ def _blame_overrides(message: str, overrides: list[str]) -> str:
         first = re.search(r"'([A-Za-z_][\w.]*)'", line)  # the key at fault; later: hints
         blamed = _overrides_of(first.group(1), keys) if first else []
         if blamed:
-            lines[i] = f"{line} [from the command line: {', '.join(blamed)}]"
+            lines[i] = f"{line} [from {origin}: {', '.join(blamed)}]"
     return "\n".join(lines)
 
 

@@ -380,6 +380,8 @@ def test_every_method_on_flower_equals_the_simulator(
         "fedfd": ["model.name=small_cnn", "model.options.widths=[8, 16]"],
         "fedfd_a": ["model.name=small_cnn", "model.options.widths=[8, 16]"],
         "scaffold": ["train.optimizer=sgd", "train.lr=0.05"],  # plain SGD only
+        # hierarchical only, plain SGD
+        "mtgc": ["topology.stations=1", "train.optimizer=sgd", "train.momentum=0"],
     }
     if method.startswith("fedvr"):  # cached features, the adapter head, a pilot set
         cheap[method] = [

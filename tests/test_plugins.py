@@ -168,8 +168,8 @@ def test_a_plugin_that_fails_to_import_is_named(plugin_dir: Path) -> None:
     names the module, the config key and the error."""
     write_plugin(plugin_dir, "broken_plugin", "import no_such_dependency_xyz\n")
     expected = (
-        r"plugin 'broken_plugin' \('plugins' in defaults\) failed to import: "
-        r"ModuleNotFoundError.*no_such_dependency_xyz"
+        r"plugin 'broken_plugin' \('plugins' in defaults and the arguments of load_config\) "
+        r"failed to import: ModuleNotFoundError.*no_such_dependency_xyz"
     )
     with pytest.raises(PluginError, match=expected):
         feddomain.load_config(None, plugins=["broken_plugin"])
@@ -214,7 +214,10 @@ def test_a_plugin_with_a_bad_hyperparameter_model_is_refused_by_name(
     write_plugin(plugin_dir, "bad_hp", HEADER + body + """
 feddomain.register(feddomain.MethodSpec("bad_hp", FedAvgServer, FedAvgClient, Hp))
 """)  # fmt: skip
-    prefix = r"plugin 'bad_hp' \('plugins' in defaults\): method 'bad_hp' cannot be registered: "
+    prefix = (
+        r"plugin 'bad_hp' \('plugins' in defaults and the arguments of load_config\): "
+        r"method 'bad_hp' cannot be registered: "
+    )
     with pytest.raises(PluginError, match=prefix + r".*" + message):
         feddomain.load_config(None, plugins=["bad_hp"])
     assert "bad_hp" not in METHODS

@@ -365,7 +365,13 @@ def test_a_method_without_an_unseen_domain_model_is_scored_by_its_clients_models
     hFedF scored with its mean-embedding model instead of each client's generated model
     (hfedf.md §2.5), or a pilot set changing what the clients' models are scored on."""
     cheap = {"ae_epochs": 2} if method == "hfedf_ae_embed" else {}
-    cfg = tiny_config(rounds=1, algorithm={"name": method, **cheap}, split__pilot_fraction=0.25)
+    hierarchical = {"topology__stations": 1} if method == "mtgc" else {}  # needs stations
+    cfg = tiny_config(
+        rounds=1,
+        algorithm={"name": method, **cheap},
+        split__pilot_fraction=0.25,
+        **hierarchical,
+    )
     sim = run_sim(cfg, tmp_path)
     target = sim.data.targets["d0"]
     models = [sim.load_eval_model(c, sim.server.eval_arrays(c)) for c in range(sim.data.n_clients)]
