@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from feddomain.config import ExperimentConfig, load_config
+from feddomain.config import ExperimentConfig, load_config, validate_config
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.sweep import RunState, SweepRun, plan, run_sweep, split_targets, yaml_text
 
@@ -249,12 +249,23 @@ def _check_settings(
     if saved is None:
         study.set_user_attr("settings", settings)
         return
+    saved = {**saved, "config": _as_current(saved.get("config"))}
     differ = sorted(k for k in settings if settings[k] != saved.get(k))
     if differ:
         raise FeddomainError(
             f"{out} holds a tune with other settings (differing: {', '.join(differ)}); choose a "
             f"new --out, or delete {out} to start over"
         )
+
+
+def _as_current(config: Any) -> Any:
+    """A saved tune's config as this version reads it: options added since then get their
+    defaults, so upgrading feddomain between sessions does not orphan a long tune. A config
+    this version cannot read stays as saved (and then differs)."""
+    try:
+        return json.loads(json.dumps(validate_config(dict(config)).to_dict()))
+    except (ConfigError, TypeError, ValueError):
+        return config
 
 
 def _enqueue(study: optuna.Study, space: dict[str, Dimension], seed: int, n: int) -> None:

@@ -19,6 +19,7 @@ from feddomain.errors import ConfigError, FeddomainError
 from feddomain.evaluation.report import build_report
 from feddomain.tune import (
     Objective,
+    _check_settings,
     Trial,
     TuneResult,
     draw,
@@ -188,3 +189,24 @@ def test_sigkill_mid_trial_then_rerun_equals_an_uninterrupted_tune(config: Path,
     other = r"holds a tune with other settings \(differing: seed\)"
     with pytest.raises(FeddomainError, match=other):
         tune(config, ["algorithm=fedprox"], trials=3, out=out, seed=5)
+
+
+def test_a_tune_saved_before_an_option_existed_resumes_and_a_changed_value_is_refused(
+    config: Path, tmp_path: Path
+):
+    """Catches a tune started by an older feddomain (its saved config lacks an option added
+    since, at its default) being refused on resume - a long campaign orphaned by an upgrade -
+    and the normalisation hiding a real difference (another round count)."""
+    import optuna
+
+    cfg = load_config(config)
+    objective = Objective.of(cfg, oracle=False)
+    study = optuna.create_study(direction="maximize")
+    _check_settings(study, tmp_path, cfg, {}, 0, objective)
+    older = study.user_attrs["settings"]
+    del older["config"]["tracking"]  # an option this version added, at its default
+    study.set_user_attr("settings", older)
+    _check_settings(study, tmp_path, cfg, {}, 0, objective)
+    longer = load_config(config, ["rounds=5"])
+    with pytest.raises(FeddomainError, match=r"other settings \(differing: config\)"):
+        _check_settings(study, tmp_path, longer, {}, 0, objective)
