@@ -21,7 +21,8 @@ Outputs: ``trials.csv`` / ``trials.md`` (every trial ranked, with its value per 
 ``selected.yaml`` (the chosen overrides, the space, the number of trials, the sampler's seed and
 the objective). ``confirm`` seeds run the selected configuration through the sweep engine into
 ``OUT/confirm/seed=<s>/lodo-<target>``, which ``feddomain report`` reads with the tune's
-selection beside it.
+selection beside it; the confirmation at the tune's own seed is the selected trial's runs,
+copied (the same resolved config and seed train to the same result), not trained again.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import fcntl
 import json
 import logging
 import math
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -164,12 +166,32 @@ def tune(
         return result
     write_selected(result, config, overrides, base, seed, targets)
     if confirm:
-        result.confirm = run_sweep(
-            plan(config, [*overrides, *selected.overrides], [("seed", list(confirm))],
-                 out / CONFIRM_DIR),
-            jobs,
-        )  # fmt: skip
+        runs = plan(config, [*overrides, *selected.overrides], [("seed", list(confirm))],
+                    out / CONFIRM_DIR)  # fmt: skip
+        trial = _trial_runs(config, overrides, selected.number, selected.params, out)
+        reuse_trial_runs(runs, trial)
+        result.confirm = run_sweep(runs, jobs)
     return result
+
+
+def reuse_trial_runs(confirm: Sequence[SweepRun], trial: Sequence[SweepRun]) -> None:
+    """Copy each finished run of the selected trial into the confirmation run with the same
+    resolved config (the tune's own seed), so it is not trained a second time; the copy lands
+    whole or not at all."""
+    finished = {
+        json.dumps(r.config, sort_keys=True): r.out
+        for r in trial
+        if (r.out / "summary.json").is_file()
+    }
+    for run in confirm:
+        source = finished.get(json.dumps(run.config, sort_keys=True))
+        if source is None or run.out.exists():
+            continue
+        run.out.parent.mkdir(parents=True, exist_ok=True)
+        staging = run.out.with_name(f".{run.out.name}.copying")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("checkpoint*.pt"))
+        staging.rename(run.out)
 
 
 # ------------------------------------------------------------------------------ the space

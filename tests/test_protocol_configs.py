@@ -75,13 +75,15 @@ def _check_covers_the_sources(dataset: DomainDataset, train, val, split) -> None
 def test_digits3_bn_profile(lam: float) -> None:
     """Catches a digits3-bn profile off its protocol: Digits3 at 32 px, 3 targets, 10 lambda
     clients over the 2 sources (lambda 1.0: each client's count of a domain within 1 of n_d/10),
-    all taking part, small_cnn with BatchNorm momentum 0.1 from scratch, batch 64, 1 epoch."""
+    all taking part, small_cnn with BatchNorm momentum 0.1 from scratch, batch 64, 1 epoch, and
+    a round budget between FedAvg's measured plateau (source validation 98.3% at round 8) and
+    the protocol's 50."""
     cfg = profile("digits3-bn", f"partition.lam={lam}")
     assert (cfg.dataset.name, cfg.dataset.resolution, cfg.split.scheme) == ("digits3", 32, "lodo")
     assert (cfg.partition.name, cfg.partition.n_clients, cfg.topology.sample_fraction) == (
         "lambda", 10, 1.0,
     )  # fmt: skip
-    assert (cfg.train.local_epochs, cfg.train.batch_size) == (1, 64) and 30 <= cfg.rounds <= 50
+    assert (cfg.train.local_epochs, cfg.train.batch_size) == (1, 64) and 20 <= cfg.rounds <= 50
     assert not cfg.train.augment.hflip and cfg.train.augment.random_resized_crop is None
     model = build_model(cfg.model.name, 10, resolution=32, **cfg.model.options)
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]

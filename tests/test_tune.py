@@ -3,6 +3,7 @@ the target, and SIGKILL + rerun giving the same trials and selection as an unint
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from feddomain.algorithms.space import LogUniform
 from feddomain.config import load_config
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.evaluation.report import build_report
+from feddomain.sweep import plan, run_sweep
 from feddomain.tune import (
     Objective,
     _check_settings,
@@ -210,3 +212,31 @@ def test_a_tune_saved_before_an_option_existed_resumes_and_a_changed_value_is_re
     longer = load_config(config, ["rounds=5"])
     with pytest.raises(FeddomainError, match=r"other settings \(differing: config\)"):
         _check_settings(study, tmp_path, longer, {}, 0, objective)
+
+
+@pytest.mark.slow
+def test_the_confirmation_at_the_tunes_seed_is_the_selected_trial_not_a_retrain(
+    config: Path, tmp_path: Path
+):
+    """Catches the seed-0 confirmation training the selected trial a second time (a ninth of a
+    campaign's cost), a copy taken from another trial or target, and a copy that differs from
+    what training that configuration afresh gives."""
+    out = tmp_path / "tune"
+    result = tune(config, ["algorithm=fedprox"], trials=2, out=out, confirm=[0, 1])
+    status = {s.run.name: s.status for s in result.confirm}
+    assert status == {
+        "seed=0/lodo-grey": "skipped", "seed=0/lodo-inverted": "skipped",
+        "seed=1/lodo-grey": "done", "seed=1/lodo-inverted": "done",
+    }  # fmt: skip
+    chosen = out / "trials" / f"{result.selected.number:03d}"
+    fresh = plan(config, ["algorithm=fedprox", *result.selected.overrides], [], tmp_path / "fresh")
+    assert all(s.status == "done" for s in run_sweep(fresh, jobs=1))
+    for target in ("grey", "inverted"):
+        copied = json.loads((out / "confirm" / "seed=0" / f"lodo-{target}" /
+                             "summary.json").read_text())  # fmt: skip
+        trial = json.loads((chosen / f"lodo-{target}" / "summary.json").read_text())
+        again = json.loads((tmp_path / "fresh" / f"lodo-{target}" / "summary.json").read_text())
+        assert copied == trial
+        assert copied["target_domains"] == [target]
+        for key in ("selected_round", "id_acc", "ood_acc", "ood_ece", "per_client"):
+            assert copied[key] == again[key]
