@@ -161,7 +161,8 @@ def test_variant_maps_are_the_prefix_of_the_changed_images(tmp_path) -> None:
         ({"model__frozen": True}, "frozen_prefix"),
         ({"algorithm__name": "mixstyle", "algorithm__blocks": [1, 2]}, "inside the frozen prefix"),
         ({"algorithm__name": "mixstyle"}, "inside the frozen prefix"),
-        ({"algorithm__name": "fisc"}, "model.frozen_prefix"),
+        ({"algorithm__name": "fisc", "model__prefix_cache": False}, "model.prefix_cache"),
+        ({"algorithm__name": "ccst", "train__precise_bn": True}, "train.precise_bn"),
     ],
 )
 def test_random_pixel_work_and_bad_cuts_are_refused_by_name(tmp_path, overrides, named) -> None:
@@ -191,3 +192,64 @@ def test_lite0_bn_momentum_option_sets_every_batchnorm() -> None:
     assert {b.momentum for b in bns(tuned)} == {0.1}
     with pytest.raises(ConfigError, match="bn_momentum"):
         validate_config({"model": {"name": "efficientnet_lite0", "options": {"bn_momentum": 2}}})
+
+
+def _style_prefix_config(tmp_path: Path, method: str, **overrides: object):
+    """small_cnn with GroupNorm (no running statistics to differ by the number of forward
+    passes), cut after its first block, on the tiny 32 px domains; no weight decay."""
+    return _prefix_config(
+        tmp_path, algorithm__name=method, model__options={"norm": "group"},
+        train__momentum=0.9, **overrides,
+    )  # fmt: skip
+
+
+def test_style_phase_behind_a_prefix_reads_the_pixels_not_the_maps(tmp_path) -> None:
+    """Catches the style phase encoding the cached prefix maps (or pixels normalised another
+    way) instead of the client's images: FISC's interpolation style with a frozen prefix is the
+    one the same run computes on pixels (the style phase does not depend on the model)."""
+    styles = {}
+    for prefix in (1, None):
+        cfg = _style_prefix_config(tmp_path, "fisc", rounds=1, model__frozen_prefix=prefix)
+        styles[prefix] = run_sim(cfg, tmp_path / f"fisc-{prefix}").server.styles
+    assert styles[1].keys() == styles[None].keys() == {0, 1, 2}
+    for cid, style in styles[1].items():
+        for name, value in style.items():
+            torch.testing.assert_close(value, styles[None][cid][name], **F32_TOL)
+
+
+def test_ccst_at_alpha_0_behind_a_cached_prefix_is_fedavg_at_twice_the_lr(tmp_path) -> None:
+    """Catches styled maps that are not those of the same images in the same order (a batch
+    pairs image i's maps with another image's styled maps), a styled view fed to the model
+    stacked, or the styled term dropped: at alpha 0 a styled image is the image itself (the DCT
+    backend inverts exactly), so CCST's loss CE(x) + CE(x_styled) is 2 CE(x) and its SGD
+    trajectory is FedAvg's at twice the learning rate, up to float32 error."""
+    ccst = run_sim(
+        _style_prefix_config(tmp_path, "ccst", algorithm__alpha=0.0), tmp_path / "ccst"
+    )
+    fedavg = run_sim(_style_prefix_config(tmp_path, "fedavg", train__lr=0.02), tmp_path / "avg")
+    a, b = ccst.model.state_dict(), fedavg.model.state_dict()
+    start = fedavg._init_model().state_dict()
+    assert any(not torch.allclose(b[k], start[k]) for k in b)  # it trained
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def test_each_style_is_rendered_and_cached_once_per_client(tmp_path) -> None:
+    """Catches styled maps recomputed every round or shared across clients whose images
+    differ, and a style that does not change them: FISC's one interpolation style gives one
+    cache file per client beside the plain maps', the files are read (not rewritten) by a
+    second run, and at alpha 0.5 the styled maps differ from the plain ones."""
+    cfg = _style_prefix_config(tmp_path, "fisc", algorithm__alpha=0.5)
+    sim = run_sim(cfg, tmp_path / "first")
+    files = _cache_files(tmp_path)
+    assert len(files) == 1 + 3  # all images' plain maps, then each client's styled maps
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "features").iterdir()}
+    run_sim(cfg, tmp_path / "second")
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    client = sim.data.train[0]
+    style = sim.server.styles[0]
+    styled = client.pixels.variant_maps(
+        sim.client.variant(style["style_mean"], style["style_std"])
+    )
+    assert styled.shape == client.inputs.shape
+    assert (styled - client.inputs).abs().mean() > 1e-2

@@ -115,13 +115,13 @@ class FISCServer(StyleServer):
 
 class FISCClient(StyleClient):
     def loss_fn(self, msg: Message, ctx: ClientContext) -> LossFn:
-        kept = self.kept(ctx)
+        self.kept(ctx)  # fails early, naming the client, if the style never came
         hp = self.hp
         styled_ce = hp.styled_loss == "cross_entropy"
         needs_styled = styled_ce or hp.lambda_con > 0 or hp.lambda_reg > 0
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            x_styled = self.restyle(x, ctx, kept[MEAN], kept[STD])  # computed even if unused
+            x, (x_styled,) = self.views(x, ctx)  # computed even if unused
             f = model.featurizer(x)
             total = F.cross_entropy(model.classifier(f), y)
             if not needs_styled:

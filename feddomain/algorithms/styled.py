@@ -10,7 +10,10 @@ The method modules supply the server's derivation (``derive``) and the training 
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -19,9 +22,11 @@ from pydantic import Field, model_validator
 from feddomain.algorithms.base import Arrays, ClientContext, Hparams, ServerContext
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.errors import ConfigError, DataError, FeddomainError
+from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import Uploads
 from feddomain.models.base import warn_small_instance_map
+from feddomain.models.frozen import PixelVariant
 from feddomain.style.backends import StyleBackend, backend_channels, build_backend
 from feddomain.style.statistics import (
     ClientAggregation,
@@ -33,6 +38,7 @@ from feddomain.style.statistics import (
 
 COLLECT, STYLE = "collect", "style"  # round 0: the clients' styles up, the server's down
 log = logging.getLogger(__name__)
+STACKED_NDIM = 5  # a batch of cached maps with their styled views: [B, 1 + K, C, h, w]
 MEAN, STD = "style_mean", "style_std"  # what a client uploads, and what it receives
 KEPT = "style/"  # prefix of what a client keeps of the server's message in its state
 
@@ -81,11 +87,16 @@ def check_style_config(cfg: Any, hp: Hparams) -> None:
             "'model.frozen': style transfer re-renders images, which frozen-backbone mode "
             "replaces by cached features; set model.frozen: false"
         )
-    if cfg.model.frozen_prefix is not None:
+    if cfg.model.frozen_prefix is not None and not cfg.model.prefix_cache:
         raise ConfigError(
-            "'model.frozen_prefix': style transfer re-renders images before the frozen prefix; "
-            "caching the prefix once per style is not implemented yet: set "
-            "model.frozen_prefix: null"
+            "'model.prefix_cache' = false: style transfer re-renders the images before the "
+            "frozen prefix, which this mode has already applied to every batch; set "
+            "model.prefix_cache: true (each style's maps are then cached once)"
+        )
+    if cfg.model.frozen_prefix is not None and cfg.train.precise_bn:
+        raise ConfigError(
+            "'train.precise_bn' with 'model.frozen_prefix': the re-estimation would see the "
+            "batches of cached maps stacked with their styled versions; turn one off"
         )
     side = cfg.dataset.resolution
     if hp.backend == "adain_dct" and (side % 8 or side < 16):
@@ -104,6 +115,7 @@ class StyleClient(FedAvgClient):
     def __init__(self, hp: Hparams) -> None:
         super().__init__(hp)
         self._backend: StyleBackend | None = None
+        self._style_maps: dict[tuple[int, str], torch.Tensor] = {}  # (cid, style): its maps
 
     def backend(self, device: torch.device) -> StyleBackend:
         """The frozen style backend on ``device``, built (weights read) once per client part."""
@@ -120,7 +132,47 @@ class StyleClient(FedAvgClient):
             for name, value in msg.arrays.items():
                 ctx.state.arrays[KEPT + name] = value
             return Message(STYLE)
+        if ctx.train.pixels is not None:
+            ctx = replace(ctx, train=self.stacked(ctx))
         return super().run(msg, ctx)
+
+    def styles(self, ctx: ClientContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (mean, std) styles this client renders its images in (CCST: one per row)."""
+        kept = self.kept(ctx)
+        if kept[MEAN].ndim == 1:
+            return [(kept[MEAN], kept[STD])]
+        return list(zip(kept[MEAN], kept[STD], strict=True))
+
+    def stacked(self, ctx: ClientContext) -> ClientData:
+        """Frozen-prefix mode: the client's cached maps with those of its images in each of its
+        styles, stacked per image [N, 1 + K, C, h, w], so one batch carries every view (a
+        style is fixed for the whole run, so its maps are computed once and cached)."""
+        train = ctx.train
+        views = [train.inputs]
+        for mean, std in self.styles(ctx):
+            key = (ctx.cid, _digest(mean, std))
+            if key not in self._style_maps:
+                self._style_maps[key] = train.pixels.variant_maps(self.variant(mean, std))
+            views.append(self._style_maps[key].to(train.inputs.device))
+        return ClientData(torch.stack(views, dim=1), train.labels)
+
+    def variant(self, mean: torch.Tensor, std: torch.Tensor) -> PixelVariant:
+        """Rendering in the style (mean, std) as a pixel variant, named by everything that
+        changes its output (backend, weights, alpha, the style's values)."""
+        hp = self.hp
+        key = f"style:{hp.backend}:{hp.encoder_weights}:{hp.decoder_weights}:{hp.alpha!r}:"
+        return PixelVariant(
+            key + _digest(mean, std),
+            lambda unit: stylize(unit, self.backend(unit.device), mean.to(unit.device),
+                                 std.to(unit.device), hp.alpha),
+        )  # fmt: skip
+
+    def views(self, x: torch.Tensor, ctx: ClientContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A batch's model inputs and their restyled versions, one per style: sliced from a
+        batch of stacked cached maps (frozen prefix), else rendered now from the pixels."""
+        if x.ndim == STACKED_NDIM:
+            return x[:, 0], list(x[:, 1:].unbind(1))
+        return x, [self.restyle(x, ctx, mean, std) for mean, std in self.styles(ctx)]
 
     def collect(self, ctx: ClientContext) -> Message:
         """This client's style from its training images (train-time augmentation, seeded),
@@ -136,11 +188,8 @@ class StyleClient(FedAvgClient):
                     len(ctx.train),
                 )
             device = ctx.train.inputs.device
-            features = encode_all(
-                ctx.train.batches(ctx.batch_size, ctx.generator),
-                self.backend(device),
-                lambda x: to_unit(x, ctx),
-            )
+            batches, unit = self._images(ctx)
+            features = encode_all(batches, self.backend(device), unit)
             warn_small_instance_map(
                 self,
                 f"the {self.hp.backend} style backend (AdaIN)",
@@ -161,6 +210,17 @@ class StyleClient(FedAvgClient):
             mean, std = (style + noise.to(style.device)).chunk(2)
             std = std.clamp_min(1e-3)  # a noisy std must stay a std
         return Message(COLLECT, {MEAN: mean, STD: std}, {"num_examples": len(ctx.train)})
+
+    def _images(
+        self, ctx: ClientContext
+    ) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]]:
+        """The client's training batches for the style phase and their map to [0, 1] images:
+        the model inputs, or, in frozen-prefix mode, the images the cached maps came from."""
+        pixels = ctx.train.pixels
+        if pixels is None:
+            return ctx.train.batches(ctx.batch_size, ctx.generator), lambda x: to_unit(x, ctx)
+        images = ClientData(pixels.images, ctx.train.labels)
+        return images.batches(ctx.batch_size, ctx.generator), lambda x: x.float().div(255.0)
 
     def kept(self, ctx: ClientContext) -> Arrays:
         """What this client kept of the server's round-0 message (error if it never came)."""
@@ -247,3 +307,9 @@ def from_unit(x: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
         return x
     mean, std = _normalization(x, ctx)
     return (x - mean) / std
+
+
+def _digest(mean: torch.Tensor, std: torch.Tensor) -> str:
+    """A short name of a style's values, for caches."""
+    values = torch.cat([mean.flatten(), std.flatten()]).double().cpu().numpy().tobytes()
+    return hashlib.sha256(values).hexdigest()[:16]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ from feddomain.data.splits import (
 )
 from feddomain.data.text import load_text_dataset
 from feddomain.errors import ConfigError, DataError
-from feddomain.federation.data import UNLABELED, ClientData, Transform
+from feddomain.federation.data import UNLABELED, ClientData, Pixels, Transform
 from feddomain.federation.topology import FEW_SHOT, INIT, PILOT_SPLIT, VAL_SPLIT, derive_seed
 from feddomain.models import build_model, input_normalization, model_tokenizer
 from feddomain.models.frozen import FrozenFeatures, PixelVariant
@@ -204,6 +205,9 @@ def build_federated_data(
     def subset(idx: np.ndarray, transform: Transform | None) -> ClientData:
         return _subset(inputs, dataset.labels, idx, transform)
 
+    def client_train(idx: np.ndarray) -> ClientData:
+        return replace(subset(idx, train_tf), pixels=_prefix_pixels(cfg, dataset, idx))
+
     n_domains = len(dataset.domains)
     counts = np.stack(
         [np.bincount(dataset.domain_ids.numpy()[p], minlength=n_domains) for p in train_parts]
@@ -213,7 +217,7 @@ def build_federated_data(
         domains=dataset.domains,
         classes=dataset.classes,
         split=split,
-        train=[subset(p, train_tf) for p in train_parts],
+        train=[client_train(p) for p in train_parts],
         val=[subset(p, eval_tf) for p in val_parts],
         client_domain_counts=counts,
         targets={d: subset(i, eval_tf) for d, i in target_sets.items()},
@@ -323,6 +327,15 @@ def _load_site(cfg: ExperimentConfig, root: str, classes: tuple[str, ...]) -> Do
     return load_site(
         Path(root).expanduser(), classes, d.resolution, cache, skip_corrupt=d.skip_corrupt
     )
+
+
+def _prefix_pixels(cfg: ExperimentConfig, dataset: DomainDataset, idx: np.ndarray) -> Pixels | None:
+    """Where a client's cached prefix maps came from (None outside cached frozen-prefix mode)."""
+    if cfg.model.frozen_prefix is None or not cfg.model.prefix_cache:
+        return None
+    index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    maps = partial(prefix_features, cfg, n_classes=len(dataset.classes))
+    return Pixels(dataset.images, index, maps)
 
 
 def _subset(

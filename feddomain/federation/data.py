@@ -4,11 +4,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from feddomain.models.frozen import PixelVariant
+
 Transform = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
 UNLABELED = -1  # the label of every image whose label is withheld (a target's pilot set)
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """In frozen-prefix mode, the images a client's cached prefix maps were computed from, and
+    the way to more maps: a method that changes pixels deterministically before the prefix
+    (FISC's and CCST's fixed styles) gets ``maps(images, variant=...)`` of its changed images,
+    computed once per variant and cached like the plain ones."""
+
+    source: torch.Tensor  # uint8 [M, 3, H, W]: the dataset's images (not copied per client)
+    index: torch.Tensor  # int64 [N]: this client's, in the order of its ClientData's inputs
+    maps: Callable[..., torch.Tensor]  # (uint8 images, variant=PixelVariant) -> prefix maps
+
+    @property
+    def images(self) -> torch.Tensor:
+        return self.source[self.index]
+
+    def variant_maps(self, variant: PixelVariant) -> torch.Tensor:
+        """The prefix's maps of this client's images changed by ``variant`` (cached)."""
+        return self.maps(self.images, variant=variant)
 
 
 @dataclass
@@ -17,11 +41,13 @@ class ClientData:
 
     ``transform`` turns a sliced batch into model input (augmentation + normalisation for training,
     normalisation only for evaluation); ``None`` passes float features through unchanged.
+    ``pixels``: in frozen-prefix mode, where the inputs (prefix maps) came from.
     """
 
     inputs: torch.Tensor
     labels: torch.Tensor
     transform: Transform | None = None
+    pixels: Pixels | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -56,7 +82,9 @@ class ClientData:
         """This split on ``device`` (itself when it is there already)."""
         if self.inputs.device == device and self.labels.device == device:
             return self
-        return ClientData(self.inputs.to(device), self.labels.to(device), self.transform)
+        return ClientData(
+            self.inputs.to(device), self.labels.to(device), self.transform, self.pixels
+        )
 
     @staticmethod
     def concat(parts: list[ClientData]) -> ClientData:

@@ -1,0 +1,111 @@
+"""What the reproduction campaign (``scripts/campaign.py``) costs on this machine, from probes.
+
+Each (profile, method) of the plan runs a few rounds on one target with evaluation every round,
+on one thread; its ``rounds.jsonl`` gives the steady cost of a round's training and of one
+evaluation (the first round is left out of the mean: it pays warm-up and a method's one-time
+phase, such as FISC's style collection), and the rest of the wall time is the run's fixed cost
+(data, model, that first round's extra). A full run is then
+
+    fixed + rounds x train + (rounds / eval.every) x evaluate
+
+and a tune ``trials x targets`` runs, plus ``(seeds - 1) x targets`` confirmation runs (the
+tune's own seed reuses the selected trial). The plan's two Digits3 lambdas cost the same per
+run, so only lambda 0.1 is probed. One-time caches (the frozen features, a frozen prefix) are
+filled before the probes and not counted: ``docs/performance.md`` times them. Run:
+
+    python benchmarks/campaign_cost.py --data /data --profiles digits3-bn-lam0.1 --out cost.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from feddomain.config import load_config
+from feddomain.sweep import split_targets
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE_ROUNDS = 3
+SAME_COST = {"digits3-bn-lam1.0": "digits3-bn-lam0.1"}  # per-run cost as the other's
+
+
+def campaign() -> object:
+    """``scripts/campaign.py`` as a module (its PROFILES, METHODS, TRIALS, SEEDS and plan)."""
+    spec = importlib.util.spec_from_file_location("campaign", ROOT / "scripts" / "campaign.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def probe(config: Path, overrides: list[str], target: str, out: Path) -> dict[str, float]:
+    """Run ``PROBE_ROUNDS`` rounds on ``target`` in a fresh process; the steady seconds per
+    round of training and per evaluation, and the fixed rest of the wall time."""
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "feddomain", "run", str(config), *overrides,
+         f"rounds={PROBE_ROUNDS}", f"split.targets=[{target}]", "eval.every=1",
+         "checkpoint.every=1000", "--out", str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode:
+        raise SystemExit(f"probe of {' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
+    wall = time.perf_counter() - started
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    times = [r["time"] for r in rounds]
+    train = statistics.mean(t["train"] + t["aggregate"] for t in times[1:])
+    evaluate = statistics.mean(t["evaluate"] for t in times[1:])
+    return {"train_s": train, "eval_s": evaluate,
+            "fixed_s": wall - len(times) * train - len(times) * evaluate}  # fmt: skip
+
+
+def main() -> None:
+    plan_module = campaign()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="holds PACS/ and Digits3/")
+    parser.add_argument("--profiles", nargs="+", default=list(plan_module.PROFILES))
+    parser.add_argument("--methods", nargs="+", default=None, help="labels of the plan")
+    parser.add_argument("--out", type=Path, required=True, help="CSV of the probes and estimates")
+    args = parser.parse_args()
+    rows, probed = [], {}
+    for profile, label, overrides in plan_module.plan(args.profiles, args.methods):
+        config = ROOT / plan_module.PROFILES[profile][0]
+        items = [f"dataset.root={args.data}", *overrides]
+        cfg = load_config(config, items)
+        targets = split_targets(cfg)
+        key = (SAME_COST.get(profile, profile), label)
+        if key not in probed:
+            with tempfile.TemporaryDirectory() as tmp:
+                probed[key] = probe(config, items, targets[0], Path(tmp) / "run")
+        cost = probed[key]
+        run_s = (cost["fixed_s"] + cfg.rounds * cost["train_s"]
+                 + cfg.rounds / cfg.eval.every * cost["eval_s"])  # fmt: skip
+        runs = plan_module.TRIALS * len(targets) + (len(plan_module.SEEDS) - 1) * len(targets)
+        rows.append({
+            "profile": profile, "method": label, **{k: round(v, 2) for k, v in cost.items()},
+            "run_s": round(run_s), "runs": runs, "tune_h": round(runs * run_s / 3600, 2),
+        })  # fmt: skip
+        print(
+            f"{profile:20s} {label:20s} round {cost['train_s']:6.2f}s  eval "
+            f"{cost['eval_s']:5.2f}s  fixed {cost['fixed_s']:5.1f}s  run {run_s:6.0f}s  "
+            f"x{runs}  {rows[-1]['tune_h']:5.2f} h",
+            flush=True,
+        )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    total = sum(r["tune_h"] for r in rows)
+    print(f"plan: {len(rows)} tunes, {total:.1f} core-hours ({total / 2:.1f} h on 2 cores)")
+
+
+if __name__ == "__main__":
+    main()
