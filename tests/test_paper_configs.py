@@ -49,8 +49,8 @@ def stand_in(cfg: ExperimentConfig) -> DomainDataset:
     g = torch.Generator().manual_seed(0)
     if spec.kind == "wilds":
         n_train = IWILDCAM["train_locations"]
-        domain_ids = torch.cat([torch.arange(n_train).repeat_interleave(2),
-                                torch.full((8,), n_train), torch.full((8,), n_train + 1)])  # fmt: skip
+        held_out = [torch.full((8,), n_train), torch.full((8,), n_train + 1)]  # val, test
+        domain_ids = torch.cat([torch.arange(n_train).repeat_interleave(2), *held_out])
         splits = ("train",) * (2 * n_train) + ("val",) * 8 + ("test",) * 8
         domains = tuple(f"location_{i}" for i in range(n_train + 2))
         classes = tuple(str(c) for c in range(IWILDCAM["classes"]))
