@@ -12,6 +12,7 @@ summary and config); checkpoints and per-round logs stay out of git (its ``.giti
     python scripts/campaign.py --data ~/data                       # everything, in order
     python scripts/campaign.py --data ~/data --profiles pacs-effnet-frozen --methods fedavg fedvr
     python scripts/campaign.py --list                              # the plan, nothing run
+    python scripts/campaign.py --report    # tables and claims from the finished confirmations
 """
 
 from __future__ import annotations
@@ -80,14 +81,60 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
 }
 
 
+BASELINES_OVER_FEDAVG = ("fedsr", "fedgma", "feddg_ga", "fediir", "scaffold", "fedsam")
+DIGITS_CLAIMS = (
+    "fisc > fedavg", "fisc > ccst", "fisc > fedsr", "fisc > fedgma", "fisc > feddg_ga",
+    "fisc > fpl", "fisc > fisc_v1", "fisc > fisc_v2", "fisc > fisc_v3",
+    "fedfd > silobn", "fedfd > fedavg", "fedfd_a > fedfd", "fedbn > fedavg", "mixstyle > fedavg",
+)  # fmt: skip
+# profile -> the papers' claims "A > B" it tests (labels of METHODS), as docs/results.md lists
+CLAIMS: dict[str, tuple[str, ...]] = {
+    "pacs-effnet-frozen": (
+        "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
+        *(f"fedvr > {m}" for m in ("fedavg", "fedprox", "pfedhn", "hfedf", "fedsr", "fedgma")),
+        "fedvr > fedvr_no_var", *(f"{m} > fedavg" for m in BASELINES_OVER_FEDAVG),
+    ),
+    "pacs-hfedf-cnn": (
+        "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
+        "hfedf > fedprox", "hfedf > fedsr", "hfedf > fedgma",
+    ),
+    "digits3-bn-lam1.0": DIGITS_CLAIMS,
+    "digits3-bn-lam0.1": DIGITS_CLAIMS,
+    "pacs-effnet-tail": (
+        "fisc > fedavg", "fisc > ccst", "fisc > feddg_ga", "fedfd > silobn", "fedfd > fedavg",
+        "fedfd_a > fedfd", "fedbn > fedavg", "mixstyle > fedavg", "fedsam > fedavg",
+    ),
+}  # fmt: skip
+
+
 def plan(profiles: list[str], labels: list[str] | None) -> list[tuple[str, str, list[str]]]:
-    """(profile, label, overrides) in campaign order."""
+    """(profile, label, overrides) in campaign order; a label other than its method's name is
+    set as ``algorithm.label`` (the report's row and the claims name it)."""
     return [
-        (profile, label, [*PROFILES[profile][1], f"algorithm={method}", *extra])
+        (profile, label, [*PROFILES[profile][1], f"algorithm={method}", *extra,
+                          *([f"algorithm.label={label}"] if label != method else [])])
         for profile in profiles
         for label, (method, extra) in METHODS[profile].items()
         if labels is None or label in labels
-    ]
+    ]  # fmt: skip
+
+
+def report(out: Path, profile: str) -> None:
+    """The profile's method x target tables over every finished confirmation, and each claim
+    whose two methods have them, into ``out/<profile>/report`` (report.md and the rest)."""
+    from feddomain import api
+
+    confirmed = {p.parent.name: p for p in sorted((out / profile).glob("*/confirm"))}
+    if not confirmed:
+        logging.info("%s: no confirmation runs yet", profile)
+        return
+    claims = [c for c in CLAIMS[profile] if all(s.strip() in confirmed for s in c.split(">"))]
+    claims_file = out / profile / "claims.txt"
+    claims_file.write_text("".join(f"{c}\n" for c in claims))
+    result = api.report(
+        *confirmed.values(), out=out / profile / "report", claims=claims_file if claims else None
+    )
+    print(f"## {profile}\n\n{result.to_markdown()}")
 
 
 def main() -> None:
@@ -98,8 +145,16 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=None, help="labels of the plan")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes per tune")
     ap.add_argument("--list", action="store_true", help="print the plan and stop")
+    ap.add_argument(
+        "--report", action="store_true",
+        help="write each profile's tables and claims from its finished confirmations, and stop",
+    )  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.report:
+        for profile in args.profiles:
+            report(args.out, profile)
+        return
     for profile, method, overrides in plan(args.profiles, args.methods):
         config = ROOT / PROFILES[profile][0]
         if args.list:

@@ -57,7 +57,7 @@ def test_fedavg_with_one_client_equals_plain_local_training(tmp_path):
 
     # Independent plain loop: same init, same batches; FedAvg clients start a fresh Adam each round.
     torch.manual_seed(derive_seed(cfg.seed, INIT))
-    model = build_model("lenet5", 3)
+    model = build_model("lenet5", 3).to(memory_format=torch.channels_last)  # the CPU layout
     data = fed.train[0]
     for rnd in range(1, cfg.rounds + 1):
         gen = torch.Generator().manual_seed(derive_seed(cfg.seed, CLIENT_TRAIN, rnd, 0, 0))

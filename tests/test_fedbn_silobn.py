@@ -108,7 +108,7 @@ def test_a_client_trains_from_its_own_local_arrays_and_the_servers_shared_ones(m
     start = {
         k: (dict(first)[cid].arrays[k] if k in LOCAL[method] else v) for k, v in broadcast.items()
     }
-    model = build_model("small_cnn", 3)
+    model = build_model("small_cnn", 3).to(memory_format=torch.channels_last)  # the CPU layout
     model.load_state_dict(start)
     keys = (CLIENT_TRAIN, 2, cid, 0)
     torch.manual_seed(derive_seed(cfg.seed, *keys))

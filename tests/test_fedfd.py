@@ -137,6 +137,7 @@ def test_a_client_trains_from_the_pushed_global_statistics_and_its_own_running_o
     start = {k: own[k] if k in LOCAL else v for k, v in broadcast.items()}
     assert not all(torch.equal(broadcast[k], own[k]) for k in LOCAL)
     model = convert_batchnorm(build_model("small_cnn", 3))
+    model = model.to(memory_format=torch.channels_last)  # the engine's CPU layout
     model.load_state_dict(start)
     keys = (CLIENT_TRAIN, 2, cid, 0)
     torch.manual_seed(derive_seed(cfg.seed, *keys))
@@ -403,7 +404,7 @@ def test_the_warm_up_pass_sets_global_statistics_from_every_clients_data(tmp_pat
     init = get_arrays(sim.server.ctx.model_factory())
     pairs = []
     for data in fed.train:
-        plain = build_model("small_cnn", 3)
+        plain = build_model("small_cnn", 3).to(memory_format=torch.channels_last)  # CPU layout
         plain.load_state_dict({k: init[k] for k in plain.state_dict()})
         plain.train()
         with torch.no_grad():
@@ -416,7 +417,9 @@ def test_the_warm_up_pass_sets_global_statistics_from_every_clients_data(tmp_pat
     for b in BN:
         for leaf, source in (("global_mean", "running_mean"), ("global_var", "running_var")):
             got, want = broadcast[f"{b}.{leaf}"].double(), reference[f"{b}.{source}"]
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            # float32 moments of 16k values per channel, summed in another order by FedFD's
+            # layer than by nn.BatchNorm2d: ~1e-4 relative (a wrong pass is off by > 1e-2)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
     assert not torch.equal(broadcast[f"{BN[0]}.global_var"], torch.ones(32))
     rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert rounds[0]["round"] == 0 and rounds[0]["task"] == "collect"

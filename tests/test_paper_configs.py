@@ -33,7 +33,8 @@ PAPER_CONFIGS = [
     "iwildcam/fisc_lambda",
     "hfedatm/pacs_paper", "hfedatm/officehome_paper", "hfedatm/terrainc_paper",
     "hfedatm/pacs_fig2_baselines",
-    "pacs/hfedf_d1", "pacs/hfedf_d2", "officehome/hfedf_d1", "vlcs/hfedf_d1",
+    "pacs/hfedf_d1", "pacs/hfedf_d2", "officehome/hfedf_d1", "officehome/hfedf_d2",
+    "vlcs/hfedf_d1", "vlcs/hfedf_d2",
 ]  # fmt: skip
 SIDE = 64  # the largest tiny side; a config at a smaller one keeps its own
 TERRA_CLASSES = 10  # TerraIncognita's classes are read from its folders

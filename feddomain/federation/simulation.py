@@ -54,6 +54,7 @@ from feddomain.federation.topology import (
 )
 from feddomain.federation.training import predict_probs, round_lr, set_arrays, unpack_ensemble
 from feddomain.models import build_model
+from feddomain.models.base import with_memory_format
 from feddomain.models.frozen import head_model
 from feddomain.models.prefix import split_at
 
@@ -102,7 +103,9 @@ class Simulation:
             whole, stage = build, cfg.model.frozen_prefix
             build = lambda: split_at(whole(), stage)[1]  # noqa: E731
         self._build = lambda: self.method.prepare_model(build())
-        self.model = self._init_model().to(self.device)  # initialised on the CPU, then moved
+        self.model = with_memory_format(  # initialised on the CPU, then moved
+            self._init_model().to(self.device), cfg.model.memory_format, self.device
+        )
         model_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
         self.client = self.method.make_client(self.model)
         self.upload_check = UploadCheck(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
@@ -84,3 +85,16 @@ class FeatureClassifier(nn.Module):
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     module.eval()
         return self
+
+
+def with_memory_format(model: nn.Module, choice: str, device: torch.device) -> nn.Module:
+    """``model`` with its 4-D weights in the layout ``choice`` names (``model.memory_format``;
+    ``auto``: channels_last on the CPU when it has a 2-D convolution). A convolution whose
+    weight is channels_last outputs channels_last, so the activations follow without touching
+    the inputs; loading arrays copies into the weights and keeps their layout."""
+    if choice == "auto":
+        convolutional = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        choice = "channels_last" if device.type == "cpu" and convolutional else "contiguous"
+    if choice == "channels_last":
+        return model.to(memory_format=torch.channels_last)
+    return model
