@@ -23,8 +23,10 @@ from feddomain.algorithms.fisc import FISCClient, FISCHparams, fisc_model, tripl
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.federation.data import ClientData
 from feddomain.federation.messages import Message
+from feddomain.federation.simulation import Simulation
 from feddomain.models.base import FeatureClassifier
-from tests.engine_helpers import run_sim, tiny_config
+from feddomain.style.statistics import style_shift
+from tests.engine_helpers import run_sim, tiny_config, tiny_federation
 from tests.test_evidence_engine import uneven_federation
 from tests.test_styles import write_vgg_files
 
@@ -310,3 +312,35 @@ def test_style_noise_changes_the_upload_and_only_when_asked():
     )
     assert torch.equal(plain.arrays["style_mean"], again.arrays["style_mean"])
     assert not torch.equal(plain.arrays["style_mean"], noisy.arrays["style_mean"])
+
+
+# ------------------------------------------------------------- the premise: where s* sits
+def test_style_shift_is_each_clients_distance_in_median_pairwise_units():
+    """Catches a shift measured in raw units (not comparable across backends), against the
+    mean instead of the median pairwise distance, or per coordinate. Hand-computed: rows
+    (0, 0), (3, 0), (0, 8) and target (0, 0): distances 0, 3, 8; pairwise 3, 8, sqrt(73)
+    (median 8, mean 6.5)."""
+    rows = torch.tensor([[0.0, 0.0], [3.0, 0.0], [0.0, 8.0]])
+    shift = style_shift(rows, torch.tensor([0.0, 0.0]))
+    assert shift.tolist() == [0.0, 0.375, 1.0]
+
+
+def test_the_run_summary_says_which_clients_barely_change(tmp_path):
+    """Catches the premise diagnostic missing from summary.json, computed against another
+    style than the one the clients receive, or a share that counts the wrong clients."""
+    cfg = fisc_config(rounds=1)
+    sim = Simulation(cfg, tiny_federation(cfg), tmp_path)
+    uploads = {}
+    collect = sim.server.on_collect
+    sim.server.on_collect = lambda replies: (uploads.update(replies), collect(replies))
+    sim.run()
+    summary = sim.summary(0.0)["server"]
+    style = sim.server.styles[0]
+    target = torch.cat([style["style_mean"], style["style_std"]])
+    rows = torch.stack([torch.cat([r.arrays["style_mean"], r.arrays["style_std"]])
+                        for _, r in sorted(uploads.items())])  # fmt: skip
+    expected = style_shift(rows, target)
+    got = [summary["style_shift"][str(c)] for c in range(cfg.partition.n_clients)]
+    assert got == pytest.approx(expected.tolist(), abs=1e-4)
+    share = sum(d < 0.25 for d in got) / len(got)
+    assert summary["barely_restyled_share"] == share

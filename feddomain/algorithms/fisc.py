@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from feddomain.algorithms.base import Arrays, ClientContext, Hparams, MethodSpec
+from feddomain.algorithms.base import Arrays, ClientContext, Hparams, MethodSpec, ServerContext
 from feddomain.algorithms.registry import register
 from feddomain.algorithms.space import LogUniform
 from feddomain.algorithms.styled import (
@@ -40,7 +40,7 @@ from feddomain.algorithms.styled import (
 )
 from feddomain.federation.messages import Message
 from feddomain.federation.training import LossFn
-from feddomain.style.statistics import Clustering, interpolation_style
+from feddomain.style.statistics import Clustering, interpolation_style, style_shift
 
 
 class FISCHparams(StyleHparams):
@@ -92,25 +92,44 @@ def triplet_term(
     return F.triplet_margin_loss(a, p, n, margin=margin, p=2, eps=1e-7)
 
 
+BARELY_RESTYLED = 0.25  # a style shift below this leaves a client's images nearly as they are
+
+
 class FISCServer(StyleServer):
     """FedAvg with the round-0 interpolation style."""
 
-    clusters = 0  # FINCH clusters of the client styles the median was taken over
+    def __init__(self, ctx: ServerContext, hp: Hparams) -> None:
+        super().__init__(ctx, hp)
+        self.clusters = 0  # FINCH clusters of the client styles the median was taken over
+        self.shift: dict[int, float] = {}  # each client's distance to the interpolation style
 
     def derive(self, clients: list[int], rows: torch.Tensor) -> dict[int, Arrays]:
         mean, std, self.clusters = interpolation_style(rows, self.hp.server_clustering)
+        shifts = style_shift(rows, torch.cat([mean, std]))
+        self.shift = {c: round(float(d), 4) for c, d in zip(clients, shifts, strict=True)}
         style = {MEAN: mean, STD: std}
         return {c: style for c in range(self.ctx.n_clients)}
 
     def diagnostics(self) -> dict[str, Any]:
         return {"style_clusters": self.clusters}
 
+    def run_summary(self) -> dict[str, Any]:
+        """Where the interpolation style sits (FISC's premise: it differs from every client's
+        own style): each client's distance to it in units of the median distance between two
+        clients' styles, and the share of clients below 0.25 (their images barely change)."""
+        if not self.shift:
+            return super().run_summary()
+        barely = sum(d < BARELY_RESTYLED for d in self.shift.values()) / len(self.shift)
+        return {**super().run_summary(), "style_shift": {str(c): d for c, d in self.shift.items()},
+                "barely_restyled_share": barely}  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "clusters": self.clusters}
+        return {**super().state_dict(), "clusters": self.clusters, "shift": self.shift}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.clusters = state["clusters"]
+        self.shift = state["shift"]
 
 
 class FISCClient(StyleClient):

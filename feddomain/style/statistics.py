@@ -103,6 +103,18 @@ def interpolation_style(
     return mean, std, count
 
 
+def style_shift(styles: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """How far each client's style row [N, 2C] is from the ``target`` style [2C] it renders its
+    images in, in units of the median distance between two clients' styles: about 0 for a
+    client whose images barely change (FISC's premise fails for it), about 1 for one moved as
+    far as clients' styles lie apart. Zero spread (identical styles) gives raw distances."""
+    rows = styles.double()
+    distance = torch.linalg.vector_norm(rows - target.double(), dim=1)
+    pairs = torch.pdist(rows) if rows.shape[0] > 1 else rows.new_zeros(0)
+    scale = float(pairs.median()) if pairs.numel() and float(pairs.median()) > 0 else 1.0
+    return distance / scale
+
+
 @torch.no_grad()
 def encode_all(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
