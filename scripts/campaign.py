@@ -54,7 +54,8 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedvr_no_var": ("fedvr_no_var", ZERO_SHOT),
         **_plain("hfedf_no_gradalign", "hfedf_no_ema", "fedgma", "feddg_ga", "fediir"),
         "scaffold": ("scaffold", ("train.momentum=0",)),
-        **_plain("fedsam", "fpl", "fedsr"),
+        **_plain("fedsam", "fpl"),
+        "fedsr": ("fedsr", ("algorithm.z_dim=512",)),  # fedvr.md §6: a 512-d z on the adapter
     },
     "pacs-hfedf-cnn": _plain(
         "fedavg", "fedprox", "local", "hfedf", "pfedhn", "hfedf_no_gradalign", "hfedf_no_ema",
