@@ -37,7 +37,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from feddomain.config import ExperimentConfig, config_differences, load_config
+from feddomain.config import ExperimentConfig, config_differences, load_config, validate_config
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.progress import CampaignProgress, duration
 
@@ -290,11 +290,35 @@ def run_sweep(
     if console is not None and any(s.found != "new" for s in states):
         console.print(rerun_account(states), highlight=False)
     todo = [s for s in states if s.status == "queued"]
+    if jobs > 1:
+        _fill_caches([s.run.config for s in todo])
     with _live(states, progress, console) as refresh:
         while todo:  # a pool whose worker died is replaced; runs it had not started go again
             _pool_pass(todo, jobs, refresh, gpus or [], progress, on_settle)
             todo = [s for s in todo if s.status == "queued"]
     return states
+
+
+def _cache_inputs(config: dict[str, Any]) -> str:
+    """What a run's feature-cache entry depends on (data, model and its seeded weights, input
+    normalisation), as a key: runs that differ elsewhere (lr, method, target) share it."""
+    train = config.get("train", {})
+    inputs = [config.get("dataset"), config.get("model"), config.get("seed"),
+              train.get("mean"), train.get("std")]  # fmt: skip
+    return json.dumps(inputs, sort_keys=True, default=str)
+
+
+def _fill_caches(configs: list[dict[str, Any]]) -> None:
+    """Fill the feature cache once per distinct input of the runs about to start, here, before
+    the workers: parallel workers would each compute the same 10-30 minute pass at once."""
+    import torch  # late: `feddomain sweep --help` need not load it
+
+    from feddomain.data.federated import fill_feature_cache
+
+    for key in dict.fromkeys(_cache_inputs(c) for c in configs):
+        cfg = validate_config(next(c for c in configs if _cache_inputs(c) == key))
+        torch.set_num_threads(cfg.torch_threads)
+        fill_feature_cache(cfg)
 
 
 def found(run_dir: Path) -> str:

@@ -303,3 +303,21 @@ def test_each_worker_sees_only_its_gpu(config: Path, tmp_path: Path):
         provenance = yaml.safe_load((run.out / "provenance.yaml").read_text())
         assert provenance["cuda_visible_devices"] in ("7", "9")
     assert os.environ.get("CUDA_VISIBLE_DEVICES") not in ("7", "9")  # the parent's untouched
+
+
+def test_parallel_runs_of_a_frozen_backbone_read_one_cache_filled_before_they_start(
+    tmp_path: Path,
+):
+    """Catches workers that each compute the frozen features at once (a 10-30 minute pass on
+    PACS, done twice and written twice): with --jobs 2 the cache entry is written once, before
+    any run starts, and every run of the sweep reads it."""
+    frozen = {**SMALL, "model": {"name": "lenet5", "frozen": True},
+              "dataset": {**SMALL["dataset"], "cache_dir": str(tmp_path / "cache")}}  # fmt: skip
+    path = tmp_path / "frozen.yaml"
+    path.write_text(yaml.safe_dump(frozen))
+    runs = plan(path, [], [("algorithm", ["fedavg", "fedprox"])], tmp_path / "sweep")
+    states = run_sweep(runs, jobs=2)
+    assert [s.status for s in states] == ["done"] * 4
+    (entry,) = (tmp_path / "cache" / "features").glob("features-*.pt")
+    written = entry.stat().st_mtime_ns
+    assert all(written < (r.out / "config.yaml").stat().st_mtime_ns for r in runs)

@@ -115,6 +115,20 @@ def federations(cfg: ExperimentConfig) -> list[FederatedData]:
     return [build_federated_data(cfg, dataset, s) for s in experiment_splits(cfg, dataset)]
 
 
+def fill_feature_cache(cfg: ExperimentConfig) -> None:
+    """Compute (or find) what a run of ``cfg`` reads from the feature cache (the frozen
+    backbone's features, or the frozen prefix's maps), so that parallel runs of one sweep read
+    one file instead of each computing it at once."""
+    cached_prefix = cfg.model.frozen_prefix is not None and cfg.model.prefix_cache
+    if cfg.partition.name == "sites" or not (cfg.model.frozen or cached_prefix):
+        return
+    dataset = load_experiment_dataset(cfg)
+    if cfg.model.frozen:
+        frozen_features(cfg, dataset)
+    else:
+        prefix_features(cfg, dataset.images, len(dataset.classes))
+
+
 def check_data_config(cfg: ExperimentConfig) -> None:
     """The config's dataset name, targets, split scheme and partition counts, checked against
     the dataset's declared domains without reading any data (a folder dataset's domains are
