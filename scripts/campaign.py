@@ -35,12 +35,32 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "digits3-bn-lam1.0": ("configs/protocols/digits3-bn.yaml", ("partition.lam=1.0",)),
     "digits3-bn-lam0.1": ("configs/protocols/digits3-bn.yaml", ("partition.lam=0.1",)),
     "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", ()),
+    # HFedATM's hierarchy on the frozen profile: 12 lambda clients in 3 stations, 2 station
+    # rounds per global round (100 global rounds: the profile's 200 rounds of local work)
+    **{
+        f"pacs-effnet-frozen-stations-lam{lam}": (
+            "configs/protocols/pacs-effnet-frozen.yaml",
+            (
+                "partition.name=lambda", "partition.n_clients=12", f"partition.lam={lam}",
+                "topology.stations=3", "topology.station_rounds=2", "rounds=100",
+            ),
+        )
+        for lam in ("1.0", "0.1")
+    },
 }
 
 # profile -> {label: (method, overrides its protocol needs)}: the claims of issue 26, cheap
 # comparisons first; a label other than the method's name is an ablation or variant
 FISC_ON_DIGITS = ("algorithm.freeze_bn=false", "topology.sample_fraction=0.5")
 ZERO_SHOT = ("algorithm.ood_model=zero_shot",)
+
+
+# HFedATM's client methods (hfedatm.md §7: FedAvg, FedSR, FedIIR clients under +HFedATM / +Avg)
+HFEDATM_CLIENTS = {
+    "": (),
+    "_fedsr": ("algorithm.client.name=fedsr", "algorithm.client.z_dim=512"),
+    "_fediir": ("algorithm.client.name=fediir",),
+}
 
 
 def _plain(*methods: str) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -79,6 +99,14 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedavg", "fedbn", "silobn", "mixstyle", "fedsam", "fedfd", "fedfd_a", "fisc", "ccst",
         "feddg_ga",
     ),
+    **{
+        profile: {
+            f"{server}{suffix}": (server, client)
+            for server in ("hfedatm", "hfedavg")
+            for suffix, client in HFEDATM_CLIENTS.items()
+        }
+        for profile in ("pacs-effnet-frozen-stations-lam1.0", "pacs-effnet-frozen-stations-lam0.1")
+    },
 }
 
 
@@ -101,6 +129,12 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     ),
     "digits3-bn-lam1.0": DIGITS_CLAIMS,
     "digits3-bn-lam0.1": DIGITS_CLAIMS,
+    **{
+        f"pacs-effnet-frozen-stations-lam{lam}": tuple(
+            f"hfedatm{c} > hfedavg{c}" for c in HFEDATM_CLIENTS
+        )
+        for lam in ("1.0", "0.1")
+    },
     "pacs-effnet-tail": (
         "fisc > fedavg", "fisc > ccst", "fisc > feddg_ga", "fedfd > silobn", "fedfd > fedavg",
         "fedfd_a > fedfd", "fedbn > fedavg", "mixstyle > fedavg", "fedsam > fedavg",
