@@ -3,8 +3,8 @@
 Each (profile, method) of the plan runs a few rounds on one target with evaluation every round,
 on one thread; its ``rounds.jsonl`` gives the steady cost of a round's training and of one
 evaluation (the first round is left out of the mean: it pays warm-up and a method's one-time
-phase, such as FISC's style collection), and the rest of the wall time is the run's fixed cost
-(data, model, that first round's extra). A full run is then
+phase, such as FISC's style collection); the run's fixed cost is the wall time outside its
+rounds (data, model) plus the first round's extra over a steady one. A full run is then
 
     fixed + rounds x train + (rounds / eval.every) x evaluate
 
@@ -58,12 +58,13 @@ def probe(config: Path, overrides: list[str], target: str, out: Path) -> dict[st
     if done.returncode:
         raise SystemExit(f"probe of {' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
     wall = time.perf_counter() - started
-    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
-    times = [r["time"] for r in rounds]
+    logged = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    times = [r["time"] for r in logged if "task" not in r]  # "task": a one-time phase (round 0)
     train = statistics.mean(t["train"] + t["aggregate"] for t in times[1:])
     evaluate = statistics.mean(t["evaluate"] for t in times[1:])
-    return {"train_s": train, "eval_s": evaluate,
-            "fixed_s": wall - len(times) * train - len(times) * evaluate}  # fmt: skip
+    in_rounds = sum(t["train"] + t["aggregate"] + t["evaluate"] for t in times)
+    first_extra = max(0.0, times[0]["train"] + times[0]["aggregate"] - train)
+    return {"train_s": train, "eval_s": evaluate, "fixed_s": wall - in_rounds + first_extra}
 
 
 def main() -> None:
