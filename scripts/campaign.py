@@ -154,22 +154,30 @@ def plan(profiles: list[str], labels: list[str] | None) -> list[tuple[str, str, 
     ]  # fmt: skip
 
 
-def report(out: Path, profile: str) -> None:
+def report(out: Path, profile: str) -> list[str]:
     """The profile's method x target tables over every finished confirmation, and each claim
-    whose two methods have them, into ``out/<profile>/report`` (report.md and the rest)."""
+    whose two methods have them, into ``out/<profile>/report`` (report.md and the rest); its
+    rows of the claims table, every claim of the profile included (untested ones say so)."""
     from feddomain import api
 
     confirmed = {p.parent.name: p for p in sorted((out / profile).glob("*/confirm"))}
-    if not confirmed:
-        logging.info("%s: no confirmation runs yet", profile)
-        return
-    claims = [c for c in CLAIMS[profile] if all(s.strip() in confirmed for s in c.split(">"))]
-    claims_file = out / profile / "claims.txt"
-    claims_file.write_text("".join(f"{c}\n" for c in claims))
-    result = api.report(
-        *confirmed.values(), out=out / profile / "report", claims=claims_file if claims else None
-    )
-    print(f"## {profile}\n\n{result.to_markdown()}")
+    tested = [c for c in CLAIMS[profile] if all(s.strip() in confirmed for s in c.split(">"))]
+    verdicts = {}
+    if confirmed:
+        claims_file = out / profile / "claims.txt"
+        claims_file.write_text("".join(f"{c}\n" for c in tested))
+        result = api.report(*confirmed.values(), out=out / profile / "report",
+                            claims=claims_file if tested else None)  # fmt: skip
+        verdicts = {f"{c.better} > {c.worse}": c for c in result.claims}
+    rows = []
+    for claim in CLAIMS[profile]:
+        c = verdicts.get(claim)
+        if c is None:
+            rows.append(f"| {claim} | {profile} | not yet confirmed | | |")
+        else:
+            interval = f"{100 * c.mean:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]"
+            rows.append(f"| {claim} | {profile} | {interval} | {c.pairs} | {c.verdict} |")
+    return rows
 
 
 def main() -> None:
@@ -187,8 +195,15 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.report:
-        for profile in args.profiles:
-            report(args.out, profile)
+        rows = [row for profile in args.profiles for row in report(args.out, profile)]
+        table = [
+            "| claim (A > B) | profile | ood accuracy A - B, points [95% interval] | pairs | "
+            "verdict |",
+            "|---|---|---|---:|---|",
+            *rows,
+        ]
+        (args.out / "claims.md").write_text("\n".join(table) + "\n")
+        print("\n".join(table))
         return
     for profile, method, overrides in plan(args.profiles, args.methods):
         config = ROOT / PROFILES[profile][0]
