@@ -95,10 +95,11 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         }
         for profile in ("digits3-bn-lam1.0", "digits3-bn-lam0.1")
     },
-    "pacs-effnet-tail": _plain(
-        "fedavg", "fedbn", "silobn", "mixstyle", "fedsam", "fedfd", "fedfd_a", "fisc", "ccst",
-        "feddg_ga",
-    ),
+    "pacs-effnet-tail": {
+        **_plain("fedavg", "fedbn", "silobn"),
+        "mixstyle": ("mixstyle", ("algorithm.blocks=[6]",)),  # stages 1-5 are the frozen prefix
+        **_plain("fedsam", "fedfd", "fedfd_a", "fisc", "ccst", "feddg_ga"),
+    },
     **{
         profile: {
             f"{server}{suffix}": (server, client)
