@@ -74,11 +74,15 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=list(plan_module.PROFILES))
     parser.add_argument("--methods", nargs="+", default=None, help="labels of the plan")
     parser.add_argument("--out", type=Path, required=True, help="CSV of the probes and estimates")
+    parser.add_argument(
+        "--overrides", nargs="*", default=[],
+        help="added to every probe and estimate, e.g. model.frozen_prefix=6 (a cheaper cut)",
+    )  # fmt: skip
     args = parser.parse_args()
     rows, probed = [], {}
     for profile, label, overrides in plan_module.plan(args.profiles, args.methods):
         config = ROOT / plan_module.PROFILES[profile][0]
-        items = [f"dataset.root={args.data}", *overrides]
+        items = [f"dataset.root={args.data}", *overrides, *args.overrides]
         cfg = load_config(config, items)
         targets = split_targets(cfg)
         key = (SAME_COST.get(profile, profile), label)
