@@ -13,6 +13,14 @@ class ConfigError(FeddomainError):
     """A configuration key or value is invalid."""
 
 
+DIVERGED_RECORD = "diverged.json"  # in a run directory: its model diverged before evaluating
+
+
+class DivergedError(FeddomainError):
+    """Training produced a model whose outputs are not finite: an outcome of the run's settings
+    (a step too large), not a fault of the data or the code."""
+
+
 class Interrupted(Exception):
     """Ctrl-C (or SIGTERM) during a command; the message says what was kept and how to go on.
     The CLI prints it without a traceback and exits with status 130."""

@@ -38,7 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from feddomain.config import ExperimentConfig, config_differences, load_config, validate_config
-from feddomain.errors import ConfigError, FeddomainError
+from feddomain.errors import DIVERGED_RECORD, ConfigError, FeddomainError
 from feddomain.progress import CampaignProgress, duration
 
 ERROR_LOG = "error.log"  # the traceback of a failed run, in its directory
@@ -287,6 +287,10 @@ def run_sweep(
         if s.found == "finished":
             s.status, s.result = "skipped", _headline(s.run.out)
             progress.skip()
+        elif s.found == "diverged":
+            record = json.loads((s.run.out / DIVERGED_RECORD).read_text())
+            s.status, s.error = "skipped", f"diverged earlier: {record['message']}"
+            progress.skip()
     if console is not None and any(s.found != "new" for s in states):
         console.print(rerun_account(states), highlight=False)
     todo = [s for s in states if s.status == "queued"]
@@ -323,10 +327,13 @@ def _fill_caches(configs: list[dict[str, Any]]) -> None:
 
 def found(run_dir: Path) -> str:
     """What a run's directory holds from an earlier session: ``finished`` (summary.json),
+    ``diverged`` (its model diverged before any evaluation: an outcome, not rerun),
     ``checkpoint`` (resumed from it), ``started`` (rounds but no checkpoint yet: restarted from
     round 1) or ``new``."""
     if (run_dir / "summary.json").is_file():
         return "finished"
+    if (run_dir / DIVERGED_RECORD).is_file():
+        return "diverged"
     if (run_dir / "checkpoint.pt").is_file():
         return "checkpoint"
     if any((run_dir / name).is_file() for name in ("rounds.jsonl", "metrics.jsonl")):

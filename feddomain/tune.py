@@ -43,8 +43,16 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from feddomain.config import ExperimentConfig, load_config, validate_config
-from feddomain.errors import ConfigError, FeddomainError
-from feddomain.sweep import RunState, SweepRun, plan, run_sweep, split_targets, yaml_text
+from feddomain.errors import DIVERGED_RECORD, ConfigError, FeddomainError
+from feddomain.sweep import (
+    RunState,
+    SweepRun,
+    found,
+    plan,
+    run_sweep,
+    split_targets,
+    yaml_text,
+)
 
 if TYPE_CHECKING:
     import optuna
@@ -324,9 +332,15 @@ def _trial_runs(
 
 
 def trial_value(run_dirs: Sequence[Path], objective: Objective) -> dict[str, float]:
-    """Each finished run's objective value, by target domain(s)."""
+    """Each finished run's objective value, by target domain(s); a run whose model diverged
+    before any evaluation scores 0 (below every trained run)."""
     values = {}
     for run_dir in run_dirs:
+        if not (run_dir / "summary.json").is_file():
+            diverged = json.loads((run_dir / DIVERGED_RECORD).read_text())
+            log.info("%s diverged (%s): it scores 0", run_dir, diverged["message"])
+            values[run_dir.name.removeprefix("lodo-")] = 0.0
+            continue
         summary = json.loads((run_dir / "summary.json").read_text())
         value = summary.get(objective.key)
         if not isinstance(value, int | float) or not math.isfinite(value):
@@ -366,7 +380,7 @@ class _Closer:
 
     def _close(self, number: int) -> None:
         dirs = [r.out for r in self.runs[number]]
-        if number in self.closed or not all((d / "summary.json").is_file() for d in dirs):
+        if number in self.closed or not all(found(d) in ("finished", "diverged") for d in dirs):
             return
         values = trial_value(dirs, self.objective)
         mean = sum(values.values()) / len(values)

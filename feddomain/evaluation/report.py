@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from feddomain.config import ExperimentConfig
-from feddomain.errors import ConfigError, DataError
+from feddomain.errors import DIVERGED_RECORD, ConfigError, DataError
 from feddomain.evaluation.claims import (
     Claim,
     against,
@@ -466,7 +466,7 @@ def find_runs(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
         if not root.is_dir():
             raise DataError(f"report input {root} is not a directory")
         # config.yaml alone marks an experiment folder holding one run per target, not a run
-        for name in ("summary.json", "metrics.jsonl"):
+        for name in ("summary.json", "metrics.jsonl", DIVERGED_RECORD):
             found.update(p.parent for p in root.rglob(name))
     finished = sorted(d for d in found if (d / "summary.json").is_file())
     unfinished = sorted(found.difference(finished))
@@ -550,7 +550,10 @@ def load_run(
         raise DataError(f"{run_dir / 'config.yaml'}: expected a mapping")
     config = resolved_config(config)
     run = RunResult(run_dir, algorithm, dataset, targets, seed, chosen, records, summary, config)
-    return run, _consistency_warnings(run, selection)
+    notes = _consistency_warnings(run, selection)
+    if "diverged" in summary:  # finished on the evaluations before its model diverged
+        notes.append(f"{run_dir}: {summary['diverged']['message']} (scored up to then)")
+    return run, notes
 
 
 def resolved_config(raw: dict) -> dict:
@@ -698,7 +701,12 @@ def build_report(
     if not finished:
         names = ", ".join(str(d) for d in dirs)
         raise DataError(f"no finished runs (directories with summary.json) under {names}")
-    warnings = [f"skipped unfinished run {d} (no summary.json)" for d in unfinished]
+    warnings = [
+        f"skipped run {d}: it diverged before any evaluation"
+        if (d / DIVERGED_RECORD).is_file()
+        else f"skipped unfinished run {d} (no summary.json)"
+        for d in unfinished
+    ]
     runs = []
     for run_dir in finished:
         run, notes = load_run(run_dir, selection, metrics)

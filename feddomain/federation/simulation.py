@@ -32,7 +32,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.config import ExperimentConfig
 from feddomain.data.federated import FederatedData
-from feddomain.errors import ConfigError
+from feddomain.errors import DIVERGED_RECORD, ConfigError, DivergedError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
 from feddomain.evaluation.selection import select
 from feddomain.federation import checkpoint
@@ -128,6 +128,7 @@ class Simulation:
         self.make_optimizer = make_optimizer_factory(cfg)
         self.batched = self._batched_clients()
         self.records: list[dict[str, Any]] = []  # evaluated rounds (metrics.jsonl)
+        self.diverged: dict[str, Any] | None = None  # where the model stopped being finite
         self.round_log: list[dict[str, Any]] = []  # every round: phase times, bytes (rounds.jsonl)
         self.rejected: list[dict[str, Any]] = []
         self.links = Links(self.data.stations is not None)  # bytes by link, direction, kind
@@ -196,7 +197,13 @@ class Simulation:
             if scheduled or last:
                 t0 = time.perf_counter()
                 self._pilot(rnd)
-                record = {**record, **self.evaluate()}
+                try:
+                    scores = self.evaluate()
+                except DivergedError as err:
+                    self._diverged_at(rnd, err)
+                    self._append_rounds()
+                    break
+                record = {**record, **scores}
                 diagnostics = self.server.diagnostics()
                 if diagnostics:
                     record["diagnostics"] = diagnostics
@@ -218,9 +225,9 @@ class Simulation:
         if self.server.exports_state:
             summary["server_state"] = self._export_state()
         _write_json_atomic(self.out / "summary.json", summary)
-        if self.cfg.checkpoint.keep_final:
+        if self.cfg.checkpoint.keep_final and not self.diverged:
             checkpoint.keep_final(self.out)
-        else:
+        else:  # nothing to extend a diverged run from
             checkpoint.remove(self.out)
         return summary
 
@@ -668,7 +675,26 @@ class Simulation:
         on the run's device, scored on the CPU)."""
         with autocast(self.device, self.cfg.precision):
             probs = predict_probs(self.model, data, self.cfg.eval.batch_size)
+        if not bool(torch.isfinite(probs).all()):
+            raise DivergedError(
+                f"the model to evaluate gives non-finite outputs: training diverged "
+                f"({self.method.spec.name}, train.lr {self.cfg.train.lr:g}; a smaller step, "
+                "the client's or the method's own, may keep it finite)"
+            )
         return evaluate_probs(probs.cpu(), data.labels.cpu())
+
+    def _diverged_at(self, rnd: int, err: DivergedError) -> None:
+        """Stop a run whose model diverged at evaluation round ``rnd``: with earlier evaluations
+        it finishes on them (summary.json says where it diverged; selection picks among them);
+        without any, ``diverged.json`` records the outcome (a tune scores it as the worst
+        trial, a sweep does not rerun it) and the error is raised."""
+        message = f"round {rnd}: {err}"
+        if not self.records:
+            _write_json_atomic(self.out / DIVERGED_RECORD, {"round": rnd, "message": message})
+            raise DivergedError(message) from None
+        log.warning("%s; the run stops and keeps its evaluations up to round %d", message,
+                    self.records[-1]["round"])  # fmt: skip
+        self.diverged = {"round": rnd, "message": message}
 
     def score_held_out(self) -> tuple[dict[str, EvalResult], dict[str, EvalResult]]:
         """The loaded model on every held-out domain: (test domains, validation domains)."""
@@ -716,6 +742,8 @@ class Simulation:
         server = self.server.run_summary()
         if server:
             out["server"] = server
+        if self.diverged:
+            out["diverged"] = self.diverged
         return out
 
     def _export_state(self) -> dict[str, Any]:
