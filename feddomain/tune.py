@@ -198,7 +198,7 @@ def reuse_trial_runs(confirm: Sequence[SweepRun], trial: Sequence[SweepRun]) -> 
         run.out.parent.mkdir(parents=True, exist_ok=True)
         staging = run.out.with_name(f".{run.out.name}.copying")
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("checkpoint*.pt"))
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("*.pt"))  # checkpoints
         staging.rename(run.out)
 
 
