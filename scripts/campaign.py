@@ -9,6 +9,10 @@ interrupted run resumes from its checkpoint. The output folder keeps, committed,
 sessions resume from and the tables are built from (the studies, selections and every run's
 summary and config); checkpoints and per-round logs stay out of git (its ``.gitignore``).
 
+The order is the cost order (docs/performance.md, "The reproduction campaign's cost"): the
+frozen-feature profile first, its cheap methods before FedSAM, FPL and FedSR; the first 13 tunes
+fit about 12 hours of a 2-core machine, the whole plan takes several hundred core-hours.
+
     python scripts/campaign.py --data ~/data                       # everything, in order
     python scripts/campaign.py --data ~/data --profiles pacs-effnet-frozen --methods fedavg fedvr
     python scripts/campaign.py --list                              # the plan, nothing run
