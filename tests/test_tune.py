@@ -21,9 +21,9 @@ from feddomain.evaluation.report import build_report
 from feddomain.sweep import plan, run_sweep
 from feddomain.tune import (
     Objective,
-    _check_settings,
     Trial,
     TuneResult,
+    _check_settings,
     draw,
     rank,
     search_space,
