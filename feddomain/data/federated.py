@@ -122,11 +122,7 @@ def fill_feature_cache(cfg: ExperimentConfig) -> None:
     cached_prefix = cfg.model.frozen_prefix is not None and cfg.model.prefix_cache
     if cfg.partition.name == "sites" or not (cfg.model.frozen or cached_prefix):
         return
-    dataset = load_experiment_dataset(cfg)
-    if cfg.model.frozen:
-        frozen_features(cfg, dataset)
-    else:
-        prefix_features(cfg, dataset.images, len(dataset.classes))
+    _model_inputs(cfg, load_experiment_dataset(cfg))  # reads or writes the cache entry
 
 
 def check_data_config(cfg: ExperimentConfig) -> None:
