@@ -28,6 +28,7 @@ from feddomain.api import run_experiment
 from feddomain.config import ExperimentConfig, load_config
 from feddomain.errors import FeddomainError, Interrupted
 from feddomain.federation.flower.commands import add_commands as add_flower_commands
+from feddomain.reproduce import add_command as add_reproduce_command
 from feddomain.sweep import add_command as add_sweep_command
 from feddomain.tune import add_command as add_tune_command
 
@@ -105,6 +106,7 @@ EXAMPLES = """examples:
   feddomain run --resume runs/prox                  # continue an interrupted run
   feddomain run --resume runs/prox rounds=16        # extend a finished run to 16 rounds
   feddomain report runs/prox --out report/ --html   # tables (md, CSV, LaTeX), plots, HTML
+  feddomain reproduce hfedf --table 2 --dry-run     # a paper's table and the runs behind it
 
 docs (in the repository): README.md; every config key and method hyper-parameter:
 docs/config.md; deploying on Flower: docs/deployment.md"""
@@ -264,6 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     add_flower_commands(sub)
     add_sweep_command(sub)
     add_tune_command(sub)
+    add_reproduce_command(sub)
     return p
 
 
