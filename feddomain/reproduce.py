@@ -333,7 +333,7 @@ def comparison_markdown(
     """The table as markdown: per cell and metric the paper's number, ours (mean ± std over
     seeds, at the last round) and ours minus the paper's; the paper's numbers alone without
     ``values``."""
-    lines = [f"## {table.paper}, table {table.name}: {table.caption}", ""]
+    lines = [f"## {table.paper} --table {table.name}. {table.caption}", ""]
     if table.note:
         lines += [table.note, ""]
     header = ["row", "column"]
