@@ -188,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="METRIC",
         help="extra tables after ood/id accuracy and ECE, at the same selected round: "
         "worst_domain_acc, ood_nll, ood_brier; fairness over clients: worst_client_acc, "
-        "client_acc_std (id accuracy), client_loss_var (variance of the clients' training "
+        "client_acc_std (id accuracy), client_ood_std (ood accuracy of each client's own "
+        "model: personalised methods), client_loss_var (variance of the clients' training "
         "losses); hypernetwork diagnostics: grad_cos_pairwise, embedding_l2",
     )
     rep.add_argument(
@@ -207,7 +208,11 @@ def _parser() -> argparse.ArgumentParser:
         "(seed, target) with its 95%% interval and verdict holds / refuted / unresolved",
     )
     rep.add_argument(
-        "--claims", type=Path, metavar="FILE", help="claims to test, one 'A > B' per line"
+        "--claims",
+        type=Path,
+        metavar="FILE",
+        help="claims to test, one per line: 'A > B' (ood accuracy) or 'A < B on METRIC' "
+        "(e.g. ood_ece, client_acc_std)",
     )
     rep.add_argument(
         "--bootstrap",

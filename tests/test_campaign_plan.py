@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from feddomain.config import load_config
+from feddomain.evaluation.claims import ClaimSpec
+from feddomain.evaluation.report import METRICS, OPTIONAL_METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,12 +38,13 @@ def test_every_tune_of_the_plan_is_a_valid_configuration(profile, label, overrid
     assert (cfg.algorithm.label or cfg.algorithm.name) == label
 
 
-def test_every_claim_names_two_methods_of_its_profile():
-    """Catches a claim that can never be tested (a label its profile does not tune) and a
-    profile whose claims were forgotten."""
+def test_every_claim_names_two_methods_of_its_profile_and_a_reported_metric():
+    """Catches a claim that can never be tested (a label its profile does not tune, a metric
+    no report reads) and a profile whose claims were forgotten."""
     assert set(CAMPAIGN.CLAIMS) == set(CAMPAIGN.PROFILES)
     for profile, claims in CAMPAIGN.CLAIMS.items():
         for claim in claims:
-            better, worse = (side.strip() for side in claim.split(">"))
-            assert {better, worse} <= set(CAMPAIGN.METHODS[profile]), (profile, claim)
-            assert better != worse
+            spec = ClaimSpec.parse(claim)
+            assert {spec.first, spec.second} <= set(CAMPAIGN.METHODS[profile]), (profile, claim)
+            assert spec.first != spec.second
+            assert spec.metric in {*METRICS, *OPTIONAL_METRICS}, (profile, claim)

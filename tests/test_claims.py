@@ -14,7 +14,13 @@ import yaml
 from feddomain.cli import main
 from feddomain.config import load_config
 from feddomain.errors import DataError
-from feddomain.evaluation.claims import Claim, bootstrap_interval, read_claims, t_interval
+from feddomain.evaluation.claims import (
+    Claim,
+    ClaimSpec,
+    bootstrap_interval,
+    read_claims,
+    t_interval,
+)
 from feddomain.evaluation.report import build_report
 from tests.test_report import write_run, write_runs
 
@@ -40,16 +46,22 @@ def test_t_interval_matches_the_hand_computed_one():
     assert (low, high) == pytest.approx((-0.00259, 0.05459), abs=1e-5)
 
 
-def test_verdicts_follow_the_interval():
-    """Catches a verdict read from the mean alone, or an interval touching 0 counted."""
-    def claim(low: float, high: float) -> Claim:
-        return Claim("a", "b", "ood_acc", 4, (low + high) / 2, low, high, "t")
+def test_verdicts_follow_the_interval_on_the_claimed_side():
+    """Catches a verdict read from the mean alone, an interval touching 0 counted, and a
+    "lower is the claim" (A < B on ood_ece) judged as if higher were."""
+
+    def claim(low: float, high: float, direction: str = ">") -> Claim:
+        spec = ClaimSpec("a", "b", direction, "ood_acc" if direction == ">" else "ood_ece")
+        return Claim(spec, 4, (low + high) / 2, low, high, "t")
 
     assert claim(0.01, 0.05).verdict == "holds"
     assert claim(-0.05, -0.01).verdict == "refuted"
     assert claim(-0.01, 0.05).verdict == "unresolved"
     assert claim(0.0, 0.05).verdict == "unresolved"
     assert claim(math.nan, math.nan).verdict == "unresolved"
+    assert claim(-0.05, -0.01, "<").verdict == "holds"
+    assert claim(0.01, 0.05, "<").verdict == "refuted"
+    assert claim(-0.01, 0.0, "<").verdict == "unresolved"
 
 
 def test_report_claims_pair_seed_and_target_cells(tmp_path: Path, capsys):
@@ -62,7 +74,7 @@ def test_report_claims_pair_seed_and_target_cells(tmp_path: Path, capsys):
     report = build_report([root], against_method="fedavg")
     (claim,) = report.claims
     mean, low, high = _hand_t([0.06, 0.06, 0.10, 0.06], T_975_3)  # 0.07 ± 3.18 · 0.01
-    assert (claim.better, claim.worse, claim.pairs) == ("hfedf", "fedavg", 4)
+    assert (claim.spec, claim.pairs) == (ClaimSpec("hfedf", "fedavg"), 4)
     assert (claim.mean, claim.low, claim.high) == pytest.approx((mean, low, high), abs=1e-12)
     assert claim.verdict == "holds"
 
@@ -74,6 +86,29 @@ def test_report_claims_pair_seed_and_target_cells(tmp_path: Path, capsys):
 
     assert main(["report", str(root), "--against", "fedavg"]) == 0
     assert "| hfedf > fedavg | 4 | +7.00 | [+3.82, +10.18] | holds |" in capsys.readouterr().out
+
+
+def test_a_lower_is_better_claim_on_a_named_metric_pairs_that_metric(tmp_path: Path, capsys):
+    """Catches a claim on ECE scored on ood accuracy, its sign flipped, and a metric the runs
+    do not record accepted silently. ECE a - b over (photo, sketch) x seeds 0, 1: -0.05,
+    -0.06, -0.07, -0.04, while a's ood accuracy is the lower one (a > b on it is refuted)."""
+    root = tmp_path / "runs"
+    eces = {"a": (0.05, 0.06, 0.04, 0.05), "b": (0.10, 0.12, 0.11, 0.09)}
+    for method, ood in (("a", 0.5), ("b", 0.7)):
+        for i, (target, seed) in enumerate([(t, s) for t in ("photo", "sketch") for s in (0, 1)]):
+            write_run(root, method, target, seed, (ood + 0.01 * i, 0.9, eces[method][i]))
+    claims = tmp_path / "claims.txt"
+    claims.write_text("a < b on ood_ece\nb < a on ood_ece\na > b\n")
+    lower, higher, accuracy = build_report([root], claims_file=claims).claims
+    mean, low, high = _hand_t([-0.05, -0.06, -0.07, -0.04], T_975_3)
+    assert (lower.mean, lower.low, lower.high) == pytest.approx((mean, low, high), abs=1e-12)
+    assert (lower.spec.metric, lower.verdict, higher.verdict) == ("ood_ece", "holds", "refuted")
+    assert (accuracy.mean, accuracy.verdict) == (pytest.approx(-0.2), "refuted")
+    assert main(["report", str(root), "--claims", str(claims)]) == 0
+    assert "| a < b on ood_ece | 4 | -5.50 |" in capsys.readouterr().out
+    claims.write_text("a < b on ood_spread_typo\n")
+    with pytest.raises(DataError, match=r"records no numeric 'ood_spread_typo'"):
+        build_report([root], claims_file=claims)
 
 
 def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path):
@@ -97,11 +132,12 @@ def test_claims_files_and_bad_claims(tmp_path: Path):
     a row the report lacks passing silently (the message lists the rows)."""
     listed = tmp_path / "claims.yaml"
     listed.write_text('- "hfedf > fedavg"\n- fedprox > fedavg\n')
-    assert read_claims(listed) == [("hfedf", "fedavg"), ("fedprox", "fedavg")]
+    assert read_claims(listed) == [ClaimSpec("hfedf", "fedavg"), ClaimSpec("fedprox", "fedavg")]
     bad = tmp_path / "bad.txt"
-    bad.write_text("hfedf >> fedavg\n")
-    with pytest.raises(DataError, match=r"entry 1: 'hfedf >> fedavg' is not 'A > B'"):
-        read_claims(bad)
+    for line in ("hfedf >> fedavg", "hfedf > fedavg < fedprox", "hfedf < fedavg on two words"):
+        bad.write_text(f"{line}\n")
+        with pytest.raises(DataError, match=rf"entry 1: '{line}' is not 'A > B'"):
+            read_claims(bad)
     root = write_runs(tmp_path / "runs")
     with pytest.raises(DataError, match=r"claim names 'fedprox'.*rows: \['fedavg', 'hfedf'\]"):
         build_report([root], claims_file=listed)

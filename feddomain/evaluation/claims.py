@@ -1,12 +1,14 @@
 """Claims "A > B" as paired differences with 95% intervals (``feddomain report --against`` /
 ``--claims``), and the tuning behind each method (``feddomain tune``'s ``selected.yaml``).
 
-A claim compares two report rows (method labels) on one metric (ood accuracy by default) over
-the (dataset, target, seed) cells both have: the difference d = A - B per cell, its mean and a
-95% interval, from Student's t over the pairs (``scipy.stats.t``) or, on request, a paired
-percentile bootstrap (``scipy.stats.bootstrap``, seeded). The verdict is the protocol's
-(``shared/protocols.md``): the claim **holds** when the whole interval is above 0, is
-**refuted** when it is below 0, and is **unresolved** otherwise (fewer than 2 pairs included).
+A claim compares two report rows (method labels) on one metric over the (dataset, target,
+seed) cells both have: ``A > B`` (ood accuracy), or ``A < B on ood_ece`` (a metric where lower
+is the claim: calibration error, the spread over clients). The difference d = A - B per cell,
+its mean and a 95% interval come from Student's t over the pairs (``scipy.stats.t``) or, on
+request, a paired percentile bootstrap (``scipy.stats.bootstrap``, seeded). The verdict is the
+protocol's (``shared/protocols.md``): the claim **holds** when the whole interval lies on the
+claimed side of 0, is **refuted** when it lies on the other, and is **unresolved** otherwise
+(fewer than 2 pairs included).
 """
 
 from __future__ import annotations
@@ -29,13 +31,47 @@ CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 9999
 
 
+DEFAULT_METRIC = "ood_acc"
+DIRECTIONS = (">", "<")
+
+
+@dataclass(frozen=True)
+class ClaimSpec:
+    """What is claimed: row ``first`` above (``>``) or below (``<``) row ``second`` on
+    ``metric``."""
+
+    first: str
+    second: str
+    direction: str = ">"
+    metric: str = DEFAULT_METRIC
+
+    @property
+    def text(self) -> str:
+        """``"A > B"``, with ``" on METRIC"`` when the metric is not ood accuracy."""
+        on = "" if self.metric == DEFAULT_METRIC else f" on {self.metric}"
+        return f"{self.first} {self.direction} {self.second}{on}"
+
+    @classmethod
+    def parse(cls, text: str) -> ClaimSpec:
+        """``"A > B"`` or ``"A < B on METRIC"``; a ValueError says what is wrong."""
+        claim, on, metric = text.rpartition(" on ")
+        if not on:
+            claim, metric = text, DEFAULT_METRIC
+        operators = [d for d in DIRECTIONS if d in claim]
+        if len(operators) != 1 or claim.count(operators[0]) != 1:
+            raise ValueError(f"{text!r} is not 'A > B' or 'A < B on METRIC'")
+        first, _, second = (part.strip() for part in claim.partition(operators[0]))
+        if not first or not second or not metric.strip() or " " in metric.strip():
+            raise ValueError(f"{text!r} is not 'A > B' or 'A < B on METRIC'")
+        return cls(first, second, operators[0], metric.strip())
+
+
 @dataclass(frozen=True)
 class Claim:
-    """"better > worse" on ``metric``: the mean paired difference and its interval."""
+    """A claim with its evidence: the mean paired difference first - second and its
+    interval."""
 
-    better: str
-    worse: str
-    metric: str
+    spec: ClaimSpec
     pairs: int
     mean: float
     low: float
@@ -44,11 +80,28 @@ class Claim:
 
     @property
     def verdict(self) -> str:
-        if self.low > 0:
+        above, below = self.low > 0, self.high < 0
+        toward, against = (above, below) if self.spec.direction == ">" else (below, above)
+        if toward:
             return "holds"
-        if self.high < 0:
+        if against:
             return "refuted"
         return "unresolved"
+
+    def difference(self, value: float, decimals: int = 1) -> str:
+        """A difference in the metric's unit: points for a percentage, else as it is."""
+        from feddomain.evaluation.report import PERCENT  # late: report imports this module
+
+        if math.isnan(value):
+            return "—"
+        if self.spec.metric in PERCENT:
+            return f"{100 * value:+.{decimals}f}"
+        return f"{value:+.3g}"
+
+    def interval_text(self, decimals: int = 1) -> str:
+        if math.isnan(self.low):
+            return "—"
+        return f"[{self.difference(self.low, decimals)}, {self.difference(self.high, decimals)}]"
 
 
 def t_interval(diffs: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -94,36 +147,46 @@ def paired_differences(runs: list[RunResult], better: str, worse: str, metric: s
     return np.array([cells[better][k] - cells[worse][k] for k in shared], dtype=np.float64)
 
 
-def evaluate(
-    report: Report, pairs: list[tuple[str, str]], metric: str = "ood_acc", bootstrap: bool = False
-) -> list[Claim]:
-    """Each claim of ``pairs`` over the report's runs; a label the report lacks is an error
-    naming the labels it has."""
+def evaluate(report: Report, specs: list[ClaimSpec], bootstrap: bool = False) -> list[Claim]:
+    """Each claim over the report's runs; a label the report lacks, or a metric its runs of
+    those rows do not record, is an error naming what there is."""
     labels = sorted({r.algorithm for r in report.runs})
-    for name in {n for pair in pairs for n in pair}:
+    for name in {n for spec in specs for n in (spec.first, spec.second)}:
         if name not in labels:
             raise DataError(f"claim names {name!r}, which no report row has (rows: {labels})")
     claims = []
-    for better, worse in pairs:
-        diffs = paired_differences(report.runs, better, worse, metric)
+    for spec in specs:
+        _check_metric(report.runs, spec)
+        diffs = paired_differences(report.runs, spec.first, spec.second, spec.metric)
         low, high = bootstrap_interval(diffs) if bootstrap else t_interval(diffs)
         mean = float(diffs.mean()) if diffs.size else math.nan
         kind = "bootstrap" if bootstrap else "t"
-        claims.append(Claim(better, worse, metric, int(diffs.size), mean, low, high, kind))
+        claims.append(Claim(spec, int(diffs.size), mean, low, high, kind))
     return claims
 
 
-def against(report: Report, baseline: str) -> list[tuple[str, str]]:
-    """"M > baseline" for every other row of the report."""
+def _check_metric(runs: list[RunResult], spec: ClaimSpec) -> None:
+    for run in runs:
+        if run.algorithm in (spec.first, spec.second):
+            value = run.selected.get(spec.metric)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise DataError(
+                    f"claim {spec.text!r}: run {run.path} records no numeric {spec.metric!r} "
+                    "at its selected round"
+                )
+
+
+def against(report: Report, baseline: str) -> list[ClaimSpec]:
+    """ "M > baseline" for every other row of the report."""
     labels = sorted({r.algorithm for r in report.runs})
     if baseline not in labels:
         raise DataError(f"--against {baseline!r}: no report row has that name (rows: {labels})")
-    return [(label, baseline) for label in labels if label != baseline]
+    return [ClaimSpec(label, baseline) for label in labels if label != baseline]
 
 
-def read_claims(path: Path) -> list[tuple[str, str]]:
-    """A claims file: a YAML list of "A > B" strings, or plain text with one per line
-    (``#`` starts a comment)."""
+def read_claims(path: Path) -> list[ClaimSpec]:
+    """A claims file: a YAML list of "A > B" / "A < B on METRIC" strings, or plain text with
+    one per line (``#`` starts a comment)."""
     try:
         text = path.read_text()
     except OSError as err:
@@ -133,18 +196,18 @@ def read_claims(path: Path) -> list[tuple[str, str]]:
     except yaml.YAMLError:
         data = None
     lines = data if isinstance(data, list) else text.splitlines()
-    pairs = []
+    specs = []
     for number, line in enumerate(lines, start=1):
         entry = str(line).split("#", 1)[0].strip()
         if not entry:
             continue
-        better, sep, worse = (part.strip() for part in entry.partition(">"))
-        if not sep or not better or not worse or ">" in worse:
-            raise DataError(f"claims file {path}, entry {number}: {entry!r} is not 'A > B'")
-        pairs.append((better, worse))
-    if not pairs:
+        try:
+            specs.append(ClaimSpec.parse(entry))
+        except ValueError as err:
+            raise DataError(f"claims file {path}, entry {number}: {err}") from None
+    if not specs:
         raise DataError(f"claims file {path} lists no claim ('A > B', one per line)")
-    return pairs
+    return specs
 
 
 def claims_markdown(claims: list[Claim]) -> list[str]:
@@ -153,18 +216,21 @@ def claims_markdown(claims: list[Claim]) -> list[str]:
     kind = "Student t over the pairs" if claims[0].interval == "t" else "paired bootstrap"
     lines = [
         "",
-        f"## Claims — paired difference A − B in {claims[0].metric} (points), 95% interval",
+        "## Claims — paired difference A − B (ood accuracy unless the claim names a metric; "
+        "percentages in points), 95% interval",
         "",
         f"Pairs: the (dataset, target, seed) cells both rows have; interval: {kind}. holds: the "
-        "whole interval above 0; refuted: below 0; unresolved: otherwise.",
+        "whole interval on the claimed side of 0 (above for >, below for <); refuted: on the "
+        "other side; unresolved: otherwise.",
         "",
         "| claim | pairs | mean A − B | 95% interval | verdict |",
         "|---|---|---|---|---|",
     ]
     for c in claims:
-        interval = "—" if math.isnan(c.low) else f"[{100 * c.low:+.2f}, {100 * c.high:+.2f}]"
-        mean = "—" if math.isnan(c.mean) else f"{100 * c.mean:+.2f}"
-        lines.append(f"| {c.better} > {c.worse} | {c.pairs} | {mean} | {interval} | {c.verdict} |")
+        lines.append(
+            f"| {c.spec.text} | {c.pairs} | {c.difference(c.mean, 2)} | {c.interval_text(2)} | "
+            f"{c.verdict} |"
+        )
     return lines
 
 

@@ -53,12 +53,13 @@ METRICS = ("ood_acc", "id_acc", "ood_ece")
 # tables a report adds on request (`--metrics`), from the same selected round of each run
 OPTIONAL_METRICS = (
     "worst_domain_acc", "ood_macro_f1", "ood_nll", "ood_brier", "worst_client_acc",
-    "client_acc_std", "client_loss_var", "grad_cos_pairwise", "embedding_l2",
+    "client_acc_std", "client_ood_std", "client_loss_var", "grad_cos_pairwise", "embedding_l2",
 )  # fmt: skip
 # optional metrics that metrics.jsonl holds nested: name -> (field, key)
 NESTED_METRICS = {
     "worst_client_acc": ("id_spread", "min"),
     "client_acc_std": ("id_spread", "std"),
+    "client_ood_std": ("ood_spread", "std"),  # personalised methods: one model per client
     "grad_cos_pairwise": ("diagnostics", "cos_pairwise_mean"),
     "embedding_l2": ("diagnostics", "embedding_l2_mean"),
 }
@@ -72,6 +73,7 @@ METRIC_TITLES = {
     "ood_brier": "ood Brier score",
     "worst_client_acc": "worst client's id accuracy (%)",
     "client_acc_std": "std of id accuracy over clients (%)",
+    "client_ood_std": "std over the clients' models of their ood accuracy (%)",
     "client_loss_var": "variance of the clients' training losses",
     "grad_cos_pairwise": "mean pairwise cosine of client gradients",
     "embedding_l2": "mean pairwise distance of client embeddings",
@@ -86,6 +88,7 @@ PERCENT = frozenset(
         "worst_domain_acc",
         "worst_client_acc",
         "client_acc_std",
+        "client_ood_std",
         "ood_macro_f1",
     }
 )
@@ -716,9 +719,9 @@ def build_report(
     groups = _group(runs, metrics)
     notes = warnings + mixing_warnings(groups)
     report = Report(selection, runs, groups, notes, spread=spread, metrics=metrics)
-    pairs = against(report, against_method) if against_method else []
-    pairs += read_claims(Path(claims_file)) if claims_file else []
-    report.claims = evaluate(report, pairs, bootstrap=bootstrap)
+    specs = against(report, against_method) if against_method else []
+    specs += read_claims(Path(claims_file)) if claims_file else []
+    report.claims = evaluate(report, specs, bootstrap=bootstrap)
     report.tuning = tuning(runs)
     if out is not None:
         write_outputs(report, Path(out))
