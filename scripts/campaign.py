@@ -44,7 +44,9 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pacs-effnet-tail-lam0.1": (
         "configs/protocols/pacs-effnet-tail.yaml",
         (
-            "partition.name=lambda", "partition.n_clients=100", "partition.lam=0.1",
+            "partition.name=lambda",
+            "partition.n_clients=100",
+            "partition.lam=0.1",
             "topology.sample_fraction=0.2",
         ),
     ),
@@ -54,8 +56,12 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
         f"pacs-effnet-frozen-stations-lam{lam}": (
             "configs/protocols/pacs-effnet-frozen.yaml",
             (
-                "partition.name=lambda", "partition.n_clients=12", f"partition.lam={lam}",
-                "topology.stations=3", "topology.station_rounds=2", "rounds=100",
+                "partition.name=lambda",
+                "partition.n_clients=12",
+                f"partition.lam={lam}",
+                "topology.stations=3",
+                "topology.station_rounds=2",
+                "rounds=100",
             ),
         )
         for lam in ("1.0", "0.1")
@@ -91,8 +97,15 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedsr": ("fedsr", ("algorithm.z_dim=512",)),  # fedvr.md §6: a 512-d z on the adapter
     },
     "pacs-hfedf-cnn": _plain(
-        "fedavg", "fedprox", "local", "hfedf", "pfedhn", "hfedf_no_gradalign", "hfedf_no_ema",
-        "fedsr", "fedgma",
+        "fedavg",
+        "fedprox",
+        "local",
+        "hfedf",
+        "pfedhn",
+        "hfedf_no_gradalign",
+        "hfedf_no_ema",
+        "fedsr",
+        "fedgma",
     ),
     **{
         profile: {
@@ -102,8 +115,16 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
             "fisc_v2": ("fisc", (*FISC_ON_DIGITS, "algorithm.server_clustering=mean")),
             "fisc_v3": ("fisc", (*FISC_ON_DIGITS, "algorithm.styled_loss=cross_entropy")),
             **_plain(
-                "ccst", "fedsr", "fedgma", "feddg_ga", "fpl", "fedbn", "silobn", "mixstyle",
-                "fedfd", "fedfd_a",
+                "ccst",
+                "fedsr",
+                "fedgma",
+                "feddg_ga",
+                "fpl",
+                "fedbn",
+                "silobn",
+                "mixstyle",
+                "fedfd",
+                "fedfd_a",
             ),
         }
         for profile in ("digits3-bn-lam1.0", "digits3-bn-lam0.1")
@@ -125,6 +146,22 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
 }
 
 
+# profile -> {label: (base label, overrides)}: a tuned method's selected configuration over the
+# same seeds with one setting changed, no tune of its own (it changes what is scored, not what
+# is trained): the mechanism a claim names, or the most likely reason for a refuted claim
+VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
+    "pacs-effnet-frozen": {
+        # hFedF scores each client's own model on the unseen domain (hfedf.md §2.5); its
+        # clients' models differ there by tens of points: score the mean of their parameters
+        "hfedf_parameter_average": ("hfedf", ("algorithm.ood_model=parameter_average",)),
+        # fedvr.md B4: the zero-shot model against the mean of the clients' models and the
+        # model of the clients' mean embedding
+        "fedvr_parameter_average": ("fedvr", ("algorithm.ood_model=parameter_average",)),
+        "fedvr_mean_embedding": ("fedvr", ("algorithm.ood_model=mean_embedding",)),
+    },
+}
+
+
 BASELINES_OVER_FEDAVG = ("fedsr", "fedgma", "feddg_ga", "fediir", "scaffold", "fedsam")
 DIGITS_CLAIMS = (
     "fisc > fedavg", "fisc > ccst", "fisc > fedsr", "fisc > fedgma", "fisc > feddg_ga",
@@ -142,6 +179,8 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "fedvr < fedvr_no_var on client_loss_var",  # fedvr.md B2: the regulariser's target
         "fedvr < fedavg on client_acc_std",  # FedVR's fairness: lower cross-client variance
         "fedvr < fedavg on ood_ece", "fedvr < hfedf on ood_ece",  # fedvr.md B5: calibration
+        "fedvr > fedvr_parameter_average", "fedvr > fedvr_mean_embedding",  # fedvr.md B4
+        "hfedf_parameter_average > hfedf",  # the experiment behind hfedf > fedavg (refuted)
         *(f"{m} > fedavg" for m in BASELINES_OVER_FEDAVG),
     ),
     "pacs-hfedf-cnn": (
@@ -174,6 +213,45 @@ def plan(profiles: list[str], labels: list[str] | None) -> list[tuple[str, str, 
         for label, (method, extra) in METHODS[profile].items()
         if labels is None or label in labels
     ]  # fmt: skip
+
+
+def variant_plan(profiles: list[str], labels: list[str] | None) -> list[tuple[str, str, str]]:
+    """(profile, label, base label) of the variants, in campaign order."""
+    return [
+        (profile, label, base)
+        for profile in profiles
+        for label, (base, _) in VARIANTS.get(profile, {}).items()
+        if labels is None or label in labels
+    ]
+
+
+def variant_overrides(out: Path, profile: str, label: str) -> list[str] | None:
+    """The overrides of variant ``label``: its base's tune overrides and selected values, then
+    its own; None while the base has no selection yet."""
+    from feddomain.tune import read_selected
+
+    base, extra = VARIANTS[profile][label]
+    selected = out / profile / base / "selected.yaml"
+    if not selected.is_file():
+        return None
+    ((_, _, tuned),) = [p for p in plan([profile], [base])]
+    chosen = read_selected(selected)["selected"]["overrides"]
+    return [*tuned, *chosen, *extra, f"algorithm.label={label}"]
+
+
+def run_variant(out: Path, profile: str, label: str, data: Path, jobs: int) -> None:
+    """The variant over the confirmation seeds, into ``<profile>/<label>/confirm`` (where the
+    report finds confirmed rows); rerun to resume."""
+    from feddomain import api
+
+    overrides = variant_overrides(out, profile, label)
+    if overrides is None:
+        logging.info("%s %s: waits for %s's tune", profile, label, VARIANTS[profile][label][0])
+        return
+    config = ROOT / PROFILES[profile][0]
+    confirm = out / profile / label / "confirm"
+    api.sweep(config, f"dataset.root={data}", *overrides, grid={"seed": list(SEEDS)},
+              out=confirm, jobs=jobs)  # fmt: skip
 
 
 def report(out: Path, profile: str) -> list[str]:
@@ -245,6 +323,14 @@ def main() -> None:
             confirm=SEEDS,
         )
         logging.info("%s %s: %.0f s", profile, method, time.perf_counter() - started)
+    for profile, label, base in variant_plan(args.profiles, args.methods):
+        if args.list:
+            changed = " ".join(VARIANTS[profile][label][1])
+            print(f"{profile:20s} {label:20s} {base}'s selection, {changed}")
+            continue
+        if args.data is None:
+            ap.error("--data is required to run")
+        run_variant(args.out, profile, label, args.data, args.jobs)
 
 
 if __name__ == "__main__":

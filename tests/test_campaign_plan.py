@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import yaml
 
 from feddomain.config import load_config
 from feddomain.evaluation.claims import ClaimSpec
@@ -39,12 +40,36 @@ def test_every_tune_of_the_plan_is_a_valid_configuration(profile, label, overrid
 
 
 def test_every_claim_names_two_methods_of_its_profile_and_a_reported_metric():
-    """Catches a claim that can never be tested (a label its profile does not tune, a metric
-    no report reads) and a profile whose claims were forgotten."""
+    """Catches a claim that can never be tested (a label its profile neither tunes nor runs as
+    a variant, a metric no report reads) and a profile whose claims were forgotten."""
     assert set(CAMPAIGN.CLAIMS) == set(CAMPAIGN.PROFILES)
     for profile, claims in CAMPAIGN.CLAIMS.items():
         for claim in claims:
             spec = ClaimSpec.parse(claim)
-            assert {spec.first, spec.second} <= set(CAMPAIGN.METHODS[profile]), (profile, claim)
+            rows = {*CAMPAIGN.METHODS[profile], *CAMPAIGN.VARIANTS.get(profile, {})}
+            assert {spec.first, spec.second} <= rows, (profile, claim)
             assert spec.first != spec.second
             assert spec.metric in {*METRICS, *OPTIONAL_METRICS}, (profile, claim)
+
+
+VARIANTS = [(p, label) for p, variants in CAMPAIGN.VARIANTS.items() for label in variants]
+
+
+@pytest.mark.parametrize(("profile", "label"), VARIANTS, ids=[f"{p}/{m}" for p, m in VARIANTS])
+def test_every_variant_changes_a_tuned_method_in_a_valid_way(profile, label, tmp_path):
+    """Catches a variant of a method its profile does not tune (it would wait forever) and one
+    whose change the config refuses; a selection written by the base's tune is carried over,
+    the variant's own change applied after it and its row labelled."""
+    base, extra = CAMPAIGN.VARIANTS[profile][label]
+    assert base in CAMPAIGN.METHODS[profile]
+    assert CAMPAIGN.variant_overrides(tmp_path, profile, label) is None  # no tune yet
+    (tmp_path / profile / base).mkdir(parents=True)
+    selected = {"selected": {"overrides": ["train.lr=0.0123"]}}
+    (tmp_path / profile / base / "selected.yaml").write_text(yaml.safe_dump(selected))
+    overrides = CAMPAIGN.variant_overrides(tmp_path, profile, label)
+    cfg = load_config(ROOT / CAMPAIGN.PROFILES[profile][0], ["dataset.root=/data", *overrides])
+    assert (cfg.algorithm.label, cfg.train.lr) == (label, 0.0123)
+    changed = dict(item.split("=", 1) for item in extra)
+    assert {
+        k: str(getattr(cfg.algorithm, k.removeprefix("algorithm."))) for k in changed
+    } == changed
