@@ -50,6 +50,7 @@ def test_every_claim_names_two_methods_of_its_profile_and_a_reported_metric():
             assert {spec.first, spec.second} <= rows, (profile, claim)
             assert spec.first != spec.second
             assert spec.metric in {*METRICS, *OPTIONAL_METRICS}, (profile, claim)
+            assert CAMPAIGN.STATEMENTS[claim], (profile, claim)  # the paper's words beside it
 
 
 VARIANTS = [(p, label) for p, variants in CAMPAIGN.VARIANTS.items() for label in variants]
@@ -69,7 +70,26 @@ def test_every_variant_changes_a_tuned_method_in_a_valid_way(profile, label, tmp
     overrides = CAMPAIGN.variant_overrides(tmp_path, profile, label)
     cfg = load_config(ROOT / CAMPAIGN.PROFILES[profile][0], ["dataset.root=/data", *overrides])
     assert (cfg.algorithm.label, cfg.train.lr) == (label, 0.0123)
-    changed = dict(item.split("=", 1) for item in extra)
-    assert {
-        k: str(getattr(cfg.algorithm, k.removeprefix("algorithm."))) for k in changed
-    } == changed
+    changed = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in extra)}
+    assert {k: getattr(cfg.algorithm, k.removeprefix("algorithm.")) for k in changed} == changed
+
+
+def test_the_report_rewrites_only_what_lies_between_the_markers_of_the_results_page(tmp_path):
+    """Catches a report that appends a second table on every rerun, or overwrites the page's
+    hand-written analysis around the generated tables."""
+    docs = tmp_path / "results.md"
+    page = (
+        f"intro\n{CAMPAIGN.CLAIMS_BEGIN}\nold claims\n{CAMPAIGN.MARKER_END}\nanalysis\n"
+        f"{CAMPAIGN.TABLES_BEGIN}\nold tables\n{CAMPAIGN.MARKER_END}\nappendix\n"
+    )
+    docs.write_text(page)
+    CAMPAIGN.SECTIONS.clear()
+    CAMPAIGN.SECTIONS["pacs-effnet-frozen"] = ["### `pacs-effnet-frozen`", "| t |"]
+    for _ in range(2):
+        CAMPAIGN.write_claims(tmp_path, ["| c |"], docs=docs)
+    assert docs.read_text() == (
+        f"intro\n{CAMPAIGN.CLAIMS_BEGIN}\n| c |\n{CAMPAIGN.MARKER_END}\nanalysis\n"
+        f"{CAMPAIGN.TABLES_BEGIN}\n### `pacs-effnet-frozen`\n| t |\n{CAMPAIGN.MARKER_END}\n"
+        "appendix\n"
+    )
+    assert (tmp_path / "claims.md").read_text() == "| c |\n"

@@ -2,7 +2,7 @@
 
 Why it exists: on ``small_cnn`` trained with the profile's Adam, the running averages kept during
 training lag the moving weights and a client's id accuracy swings by 30 points between rounds
-(docs/results.md, issue 11); statistics recomputed with the final weights do not.
+(docs/results-smoke.md, issue 11); statistics recomputed with the final weights do not.
 """
 
 from __future__ import annotations
