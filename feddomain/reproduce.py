@@ -5,9 +5,10 @@ Each paper's tables live in ``feddomain/papers/<paper>.yaml``: per table, the qu
 cells print (``metrics``), the seeds, the command-line keys a user must supply (``needs``: a
 weights file), and one entry per cell -- the paper's row and column, the shipped config with
 the overrides that make the paper's setting, an optional single target domain, and the paper's
-numbers. Cells that share a config and overrides are one **setting**, run once as a sweep over
-the seeds and the config's target splits in ``OUT/<table>/<setting>``; a cell with ``mean_of``
-averages other cells of its row, seed by seed (a paper's AVG column over several settings).
+numbers. Cells that share a config and overrides are one **setting**, run once -- however many
+tables list it -- as a sweep over the seeds and the config's target splits in
+``OUT/<setting>``; a cell with ``mean_of`` averages other cells of its row, seed by seed (a
+paper's AVG column over several settings).
 
 Every paper reports its final round, so ours are read at the last evaluated round. A cell's
 value is the mean ± sample std over the seeds whose runs are all finished, and a seed counts
@@ -51,10 +52,10 @@ class Setting:
     @property
     def slug(self) -> str:
         """Its directory under the table's: the config's path and the overrides, readable."""
-        from feddomain.sweep import _slug
+        from feddomain.sweep import slug
 
         name = self.config.removeprefix("feddomain:").replace("/", "-")
-        return _slug(",".join([name, *self.overrides]))
+        return slug(",".join([name, *self.overrides]))
 
     def command(self, seeds: Sequence[int], user: Sequence[str], out: Path) -> str:
         """The ``feddomain sweep`` line that runs it by hand."""
@@ -78,6 +79,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class PaperTable:
+    """One table of a paper: what its cells print, the seeds, the keys a user must give."""
+
     paper: str
     name: str
     caption: str
@@ -97,6 +100,8 @@ class PaperTable:
 
 @dataclass(frozen=True)
 class Paper:
+    """A seed paper's registry file: its citation and tables."""
+
     name: str
     title: str
     source: str
@@ -144,6 +149,7 @@ def _table(paper: str, raw: Any, where: str) -> PaperTable:
     _require(isinstance(raw, dict), where, "expected a mapping")
     unknown = set(raw) - TABLE_KEYS
     _require(not unknown, where, f"unknown keys {sorted(unknown)}")
+    _require("name" in raw and bool(raw.get("cells")), where, "needs a name and cells")
     where = f"{where} ({raw.get('name')!r})"
     metrics = tuple(raw.get("metrics") or ())
     bad = [m for m in metrics if m not in CELL_METRICS]
@@ -173,6 +179,7 @@ def _cell(raw: Any, n_metrics: int, where: str) -> Cell:
     _require(isinstance(raw, dict), where, "expected a mapping")
     unknown = set(raw) - CELL_KEYS
     _require(not unknown, where, f"unknown keys {sorted(unknown)}")
+    _require("row" in raw and "column" in raw, where, "needs a row and a column")
     paper = tuple(None if v is None else float(v) for v in raw.get("paper") or ())
     _require(len(paper) == n_metrics, where, f"paper needs {n_metrics} values, one per metric")
     mean_of = tuple(raw.get("mean_of") or ())
@@ -201,8 +208,9 @@ def _require(ok: bool, where: str, what: str) -> None:
 
 
 # -------------------------------------------------------------------------------- running
-def setting_dir(out: Path, table: PaperTable, setting: Setting) -> Path:
-    return out / f"table-{table.name}" / setting.slug
+def setting_dir(out: Path, setting: Setting) -> Path:
+    """Where a setting's runs go: one folder per setting, shared by every table listing it."""
+    return out / setting.slug
 
 
 def check_needs(table: PaperTable, user: Sequence[str]) -> None:
@@ -236,7 +244,7 @@ def run_table(
             *setting.overrides,
             *user,
             grid={"seed": list(table.seeds)},
-            out=setting_dir(out, table, setting),
+            out=setting_dir(out, setting),
             jobs=jobs,
             jobs_per_gpu=jobs_per_gpu,
             live=live,
@@ -264,17 +272,21 @@ class Ours:
 
 
 def collect(table: PaperTable, out: Path, user: Sequence[str]) -> dict[tuple[str, str], Ours]:
-    """Our value of every cell, from the finished runs under ``out`` (none run here)."""
-    finished = {s: _finished_runs(table, s, out, user) for s in table.settings()}
+    """Our value of every cell, from the finished runs under ``out`` (none run here). The runs
+    are found where the sweep puts them, whatever device or machine made them: the settings
+    are read for their targets only, so neither the weights file nor the flags of the command
+    that ran them are needed."""
+    ignored = {"device", *table.needs}  # how and where it ran, not which runs it made
+    given = [o for o in user if o.partition("=")[0].strip() not in ignored]
+    finished = {s: _finished_runs(table, s, out, given) for s in table.settings()}
     values = {}
     for cell in table.cells:
         if cell.setting is not None:
             values[(cell.row, cell.column)] = _setting_cell(table, cell, *finished[cell.setting])
     for cell in table.cells:
         if cell.mean_of:
-            values[(cell.row, cell.column)] = _mean_cell(
-                [values[(cell.row, c)] for c in cell.mean_of]
-            )
+            parts = [values[(cell.row, c)] for c in cell.mean_of]
+            values[(cell.row, cell.column)] = _mean_cell(parts)
     return values
 
 
@@ -282,28 +294,28 @@ def _finished_runs(
     table: PaperTable, setting: Setting, out: Path, user: Sequence[str]
 ) -> tuple[list[Any], dict[int, int]]:
     """The setting's finished runs (report ``RunResult``s at the last round) and the number of
-    runs each seed plans."""
+    runs each seed plans, from the directories ``feddomain sweep`` gives them."""
+    from feddomain.config import load_config
     from feddomain.evaluation.report import load_run
-    from feddomain.sweep import plan
+    from feddomain.sweep import slug, split_targets, yaml_text
 
-    planned = plan(
-        Path(setting.config),
-        [*setting.overrides, *user],
-        [("seed", list(table.seeds))],
-        setting_dir(out, table, setting),
-    )
-    per_seed: dict[int, int] = {}
+    targets = split_targets(load_config(Path(setting.config), [*setting.overrides, *user]))
+    per_seed = {seed: len(targets) for seed in table.seeds}
     runs = []
-    for run in planned:
-        per_seed[int(run.config["seed"])] = per_seed.get(int(run.config["seed"]), 0) + 1
-        if (run.out / "summary.json").is_file():
-            runs.append(load_run(run.out, SELECTION, table.metrics)[0])
+    for seed in table.seeds:
+        for target in targets:
+            parts = [slug(f"seed={yaml_text(seed)}"), *([f"lodo-{slug(target)}"] if target else [])]
+            run_dir = setting_dir(out, setting).joinpath(*parts)
+            if (run_dir / "summary.json").is_file():
+                runs.append(load_run(run_dir, SELECTION, table.metrics)[0])
     return runs, per_seed
 
 
 def _setting_cell(table: PaperTable, cell: Cell, runs: list[Any], per_seed: dict[int, int]) -> Ours:
+    """A cell of one setting: its target's runs, or per seed the mean over every target (a
+    seed with a target missing is left out)."""
     if cell.target is not None:
-        mine = [r for r in runs if cell.target in r.targets]
+        mine = [r for r in runs if r.targets == (cell.target,)]
         return Ours({r.seed: _values(r, table.metrics) for r in mine}, len(mine), len(per_seed))
     seeds = {}
     for seed, count in per_seed.items():
@@ -318,6 +330,7 @@ def _values(run: Any, metrics: Sequence[str]) -> tuple[float, ...]:
 
 
 def _mean_cell(parts: list[Ours]) -> Ours:
+    """A mean_of cell: per seed that all its columns have, the mean of their values."""
     common = set.intersection(*(set(p.seeds) for p in parts))
     seeds = {
         s: tuple(float(np.mean(col)) for col in zip(*(p.seeds[s] for p in parts), strict=True))
@@ -373,9 +386,7 @@ def plan_text(paper: Paper, tables: Iterable[PaperTable], out: Path, user: Seque
         if table.needs:
             lines.append(f"Needs on the command line: {', '.join(table.needs)}.\n")
         lines.append("```")
-        lines += [
-            s.command(table.seeds, user, setting_dir(out, table, s)) for s in table.settings()
-        ]
+        lines += [s.command(table.seeds, user, setting_dir(out, s)) for s in table.settings()]
         lines += ["```", ""]
     return "\n".join(lines)
 
@@ -438,10 +449,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan_text(paper, tables, out, user))
         return 0
-    for table in tables:
-        check_needs(table, user)
     failed = []
     if not args.compare:
+        for table in tables:  # every table's keys before the first run, not hours into it
+            check_needs(table, user)
         for table in tables:
             failed += run_table(
                 table,

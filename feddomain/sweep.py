@@ -184,7 +184,7 @@ def plan(
             items = [*overrides, *point]
             if target is not None:
                 items.append(f"split.targets=[{yaml_text(target)}]")
-            parts = [p for p in (_slug(",".join(point)), target and f"lodo-{_slug(target)}") if p]
+            parts = [p for p in (slug(",".join(point)), target and f"lodo-{slug(target)}") if p]
             name = "/".join(parts)
             run_cfg = _load(config, items, point).to_dict()
             runs.append(SweepRun(name or ".", out.joinpath(*parts), run_cfg))
@@ -222,7 +222,7 @@ def _load(config: Path, items: list[str], point: list[str]) -> ExperimentConfig:
         raise ConfigError(f"grid point {', '.join(point) or '(none)'}: {err}") from None
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     """A directory name: spaces dropped, characters other than letters, digits and
     ``._+-=,:[]{}`` replaced by ``_`` (a path separator above all)."""
     return re.sub(r"[^A-Za-z0-9._+\-=,:\[\]{}]", "_", text.replace(" ", ""))

@@ -26,10 +26,9 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from feddomain.evaluation.claims import ClaimSpec
-from feddomain.evaluation.report import METRIC_TITLES, METRICS
+from feddomain.evaluation.report import METRIC_TITLES, METRICS, Report
 from feddomain.tune import tune
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,8 +239,8 @@ STATEMENTS: dict[str, str] = {
     "hfedf > fedprox": "hFedF Table 2, PACS d=1: hFedF 54.6 vs FedProx 50.7",
     "hfedf > fedsr": "hFedF Table 2, PACS d=1: hFedF 54.6 vs FedSR 48.9",
     "hfedf > fedgma": "hFedF Table 2, PACS d=1: hFedF 54.6 vs FedGMA 48.9",
-    "hfedf > hfedf_no_gradalign": "hFedF Table 3, Office-Home d=1: 29.8 vs 30.2 without "
-    "GradAlign (the paper's own ablation puts it below; d=2 ties, 31.2)",
+    "hfedf > hfedf_no_gradalign": "hFedF Table 3, Office-Home d=3: 31.7 vs 31.4 without "
+    "GradAlign (d=2 ties at 31.2; at d=1 the ablation is above, 30.2 vs 29.8)",
     "hfedf > hfedf_no_ema": "hFedF Table 3, Office-Home d=1: 29.8 vs 28.8 without EMA",
     "hfedf < pfedhn on client_ood_std": "hFedF §5: its clients' models are near-identical on the "
     "unseen domain (ood std ±0.3 over seeds and clients, hfedf.md §2.5)",
@@ -251,13 +250,14 @@ STATEMENTS: dict[str, str] = {
     "accuracies: fedvr.md §7.2)",
     "fedvr > fedprox": "FedVR Table 1, PACS mean 80.26 (baseline rows unusable)",
     "fedvr > pfedhn": "FedVR Table 1, PACS mean 80.26 (baseline rows unusable)",
-    "fedvr > hfedf": "FedVR §5: +4.36 points over hFedF on PACS",
+    "fedvr > hfedf": "FedVR §5: +4.36 points over hFedF on PACS (against its hFedF row, which "
+    "is not an ood accuracy: fedvr.md §7.2)",
     "fedvr > fedsr": "FedVR §5: above the FDG baselines (no number)",
     "fedvr > fedgma": "FedVR §5: above the FDG baselines (no number)",
     "fedvr > fedvr_no_var": "FedVR §4: the variance regulariser (lambda_var > 0) generalises "
     "(fedvr.md B2; no number)",
     "fedvr < fedvr_no_var on client_loss_var": "FedVR §4: the regulariser equalises the "
-    "clients' losses (fedvr.md B2)",
+    "clients' losses (fedvr.md B2; read at the selected round, not B2's last-50-round mean)",
     "fedvr < fedavg on client_acc_std": "FedVR §4: lower cross-client variance (fairness)",
     "fedvr < fedavg on ood_ece": "FedVR: better calibrated (fedvr.md B5; no number)",
     "fedvr < hfedf on ood_ece": "FedVR: better calibrated (fedvr.md B5; no number)",
@@ -294,8 +294,8 @@ STATEMENTS: dict[str, str] = {
     "alpha 79.87",
     "fedfd_test_fixed > fedfd_test_random": "FedFD test-time ablation, PACS: fixed alpha 83.73 "
     "vs random alpha 79.87",
-    "fedfd > fedfd_test_instance": "FedFD: test-time instance statistics (TBN) collapse "
-    "(12.97 for a CE-trained model)",
+    "fedfd > fedfd_test_instance": "FedFD poster: no number for a FedFD model; test-time "
+    "instance statistics (TBN) drop a CE-trained model to 12.97, a FedFD-trained one far less",
     "hfedatm > hfedavg": "HFedATM Table 1, PACS: +HFedATM 78.58 vs +Avg 76.80 (lambda 1), "
     "75.72 vs 74.03 (lambda 0.1)",
     "hfedatm_fedsr > hfedavg_fedsr": "HFedATM Table 1, PACS: 83.85 vs 80.50 (lambda 1), 81.00 "
@@ -379,39 +379,58 @@ def run_variant(out: Path, profile: str, label: str, data: Path, jobs: int) -> N
               out=confirm, jobs=jobs)  # fmt: skip
 
 
-def report(out: Path, profile: str) -> list[str]:
-    """The profile's method x target tables over every finished confirmation, and each claim
-    whose two methods have them, into ``out/<profile>/report`` (report.md and the rest); its
-    rows of the claims table, every claim of the profile included (untested ones say so)."""
+def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
+    """The profile's rows of the claims table (every claim of the profile; untested ones say
+    why) and its section of tables, over its complete confirmations only: the method x target
+    tables and each claim whose two rows are complete, also into ``out/<profile>/report``
+    (report.md, CSV, plots)."""
     from feddomain import api
 
-    confirmed = {p.parent.name: p for p in sorted((out / profile).glob("*/confirm"))}
+    done, progress = confirmations(out, profile)
     specs = [ClaimSpec.parse(c) for c in CLAIMS[profile]]
-    tested = [c for c in specs if c.first in confirmed and c.second in confirmed]
-    verdicts = {}
-    if confirmed:
+    tested = [c for c in specs if c.first in done and c.second in done]
+    verdicts, section = {}, []
+    if done:
         claims_file = out / profile / "claims.txt"
         claims_file.write_text("".join(f"{c.text}\n" for c in tested))
-        result = api.report(*confirmed.values(), out=out / profile / "report",
+        result = api.report(*done.values(), out=out / profile / "report",
                             claims=claims_file if tested else None)  # fmt: skip
         verdicts = {c.spec: c for c in result.claims}
-        SECTIONS[profile] = profile_section(out, profile, result)
+        section = profile_section(out, profile, result)
     rows = []
     for spec in specs:
         c = verdicts.get(spec)
         claim = f"| {STATEMENTS[spec.text]} | {spec.text} | {profile} |"
-        if c is None:
-            rows.append(f"{claim} not yet confirmed | | |")
-        else:
+        if c is not None:
             evidence = f"{c.difference(c.mean)} {c.interval_text()}"
             rows.append(f"{claim} {evidence} | {c.pairs} | {c.verdict} |")
-    return rows
+            continue
+        waiting = [progress.get(label, "not started") for label in (spec.first, spec.second)
+                   if label not in done]  # fmt: skip
+        rows.append(f"{claim} waits: {'; '.join(waiting)} | | |")
+    return rows, section
 
 
-SECTIONS: dict[str, list[str]] = {}  # profile -> its tables for docs/results.md (report fills)
+def confirmations(out: Path, profile: str) -> tuple[dict[str, Path], dict[str, str]]:
+    """The profile's complete confirmations (label -> its confirm folder: every seed on every
+    target finished) and, for the others begun, how far they are."""
+    from feddomain.config import load_config
+    from feddomain.sweep import split_targets
+
+    config, shared = PROFILES[profile]
+    targets = split_targets(load_config(ROOT / config, [*shared, "dataset.root=/unused"]))
+    planned = len(SEEDS) * len(targets)
+    done, progress = {}, {}
+    for confirm in sorted((out / profile).glob("*/confirm")):
+        label, finished = confirm.parent.name, len(list(confirm.rglob("summary.json")))
+        if finished >= planned:
+            done[label] = confirm
+        else:
+            progress[label] = f"{label} confirming ({finished} of {planned} runs)"
+    return done, progress
 
 
-def profile_section(out: Path, profile: str, result: Any) -> list[str]:
+def profile_section(out: Path, profile: str, result: Report) -> list[str]:
     """A profile's method x target tables (ood, id, ood ECE; mean ± std over seeds) and, per
     row, the tune behind it: the selected values, the trials and the run time."""
     config, shared = PROFILES[profile]
@@ -470,21 +489,23 @@ def claims_table(rows: list[str]) -> list[str]:
     ]
 
 
-def write_claims(out: Path, table: list[str], docs: Path = ROOT / "docs" / "results.md") -> None:
-    """``out/claims.md``, and in docs/results.md the same table and each profile's tables
+def write_claims(
+    out: Path, table: list[str], sections: list[str], docs: Path = ROOT / "docs" / "results.md"
+) -> None:
+    """``out/claims.md``, and in docs/results.md the claims table and the profiles' sections
     between their markers."""
     text = "\n".join(table) + "\n"
     (out / "claims.md").write_text(text)
-    page = _between(docs.read_text(), CLAIMS_BEGIN, text)
-    sections = [line for profile in PROFILES for line in SECTIONS.get(profile, [])]
-    docs.write_text(_between(page, TABLES_BEGIN, "\n".join(sections) + "\n"))
+    page = _between(docs.read_text(), CLAIMS_BEGIN, text, docs)
+    docs.write_text(_between(page, TABLES_BEGIN, "\n".join(sections) + "\n", docs))
 
 
-def _between(page: str, marker: str, text: str) -> str:
+def _between(page: str, marker: str, text: str, path: Path) -> str:
     """``page`` with what lies between ``marker`` and the next end marker replaced."""
-    begin = page.index(marker) + len(marker)
-    end = page.index(MARKER_END, begin)
-    return page[:begin] + "\n" + text + page[end:]
+    begin, end = page.find(marker), page.find(MARKER_END, page.find(marker) + 1)
+    if begin < 0 or end < 0:
+        raise SystemExit(f"{path} lacks the markers {marker!r} ... {MARKER_END!r}")
+    return page[: begin + len(marker)] + "\n" + text + page[end:]
 
 
 def main() -> None:
@@ -502,9 +523,10 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.report:
-        table = claims_table([row for p in args.profiles for row in report(args.out, p)])
-        if args.profiles == list(PROFILES):  # the whole table, not one profile's rows
-            write_claims(args.out, table)
+        reports = [report(args.out, p) for p in PROFILES if p in args.profiles]
+        table = claims_table([row for rows, _ in reports for row in rows])
+        if set(args.profiles) == set(PROFILES):  # the whole table, not one profile's rows
+            write_claims(args.out, table, [line for _, section in reports for line in section])
         print("\n".join(table))
         return
     for profile, method, overrides in plan(args.profiles, args.methods):

@@ -50,6 +50,7 @@ def test_every_claim_names_two_methods_of_its_profile_and_a_reported_metric():
             assert {spec.first, spec.second} <= rows, (profile, claim)
             assert spec.first != spec.second
             assert spec.metric in {*METRICS, *OPTIONAL_METRICS}, (profile, claim)
+            assert spec.text == claim, (profile, claim)  # the key the report looks up
             assert CAMPAIGN.STATEMENTS[claim], (profile, claim)  # the paper's words beside it
 
 
@@ -83,13 +84,28 @@ def test_the_report_rewrites_only_what_lies_between_the_markers_of_the_results_p
         f"{CAMPAIGN.TABLES_BEGIN}\nold tables\n{CAMPAIGN.MARKER_END}\nappendix\n"
     )
     docs.write_text(page)
-    CAMPAIGN.SECTIONS.clear()
-    CAMPAIGN.SECTIONS["pacs-effnet-frozen"] = ["### `pacs-effnet-frozen`", "| t |"]
     for _ in range(2):
-        CAMPAIGN.write_claims(tmp_path, ["| c |"], docs=docs)
+        CAMPAIGN.write_claims(tmp_path, ["| c |"], ["### `pacs-effnet-frozen`", "| t |"], docs)
     assert docs.read_text() == (
         f"intro\n{CAMPAIGN.CLAIMS_BEGIN}\n| c |\n{CAMPAIGN.MARKER_END}\nanalysis\n"
         f"{CAMPAIGN.TABLES_BEGIN}\n### `pacs-effnet-frozen`\n| t |\n{CAMPAIGN.MARKER_END}\n"
         "appendix\n"
     )
     assert (tmp_path / "claims.md").read_text() == "| c |\n"
+
+
+def test_a_confirmation_counts_only_once_every_seed_and_target_has_finished(tmp_path):
+    """Catches a verdict printed from a confirmation still running (two of twelve runs gave
+    the first table an interval 28 points wide)."""
+    confirm = tmp_path / "pacs-effnet-frozen" / "fedvr" / "confirm"
+    targets = ("art_painting", "cartoon", "photo", "sketch")
+    for seed in (0, 1, 2):
+        for target in targets:
+            (confirm / f"seed={seed}" / f"lodo-{target}").mkdir(parents=True)
+    runs = sorted(confirm.glob("seed=*/lodo-*"))
+    for run in runs[:-1]:
+        (run / "summary.json").write_text("{}")
+    done, progress = CAMPAIGN.confirmations(tmp_path, "pacs-effnet-frozen")
+    assert done == {} and progress == {"fedvr": "fedvr confirming (11 of 12 runs)"}
+    (runs[-1] / "summary.json").write_text("{}")
+    assert CAMPAIGN.confirmations(tmp_path, "pacs-effnet-frozen")[0] == {"fedvr": confirm}
