@@ -695,11 +695,27 @@ def test_the_server_s_weights_and_coefficients_are_recorded_every_round(tmp_path
     assert spreads[2] == last["diagnostics"]["embedding_l2_mean"]
 
 
+def test_alpha_weighs_the_clients_without_one_dominating() -> None:
+    """Catches B3's activity read from the dominance test (or from α's max alone): τ = 10 with
+    batch-loss variances (0, .05, .05) gives α ∝ (1, e^-0.5, e^-0.5), a max/min ratio of
+    e^0.5 ≈ 1.65 (active) while the largest share is 1/(1 + 2e^-0.5) ≈ 0.45 (not dominated)."""
+    server = make_server(tau=10.0, lambda_var=0.0)
+    set_statistics(server)
+    deltas = random_deltas(server, seed=1)
+    variances = [0.0, 0.05, 0.05]
+    server.aggregate(1, iter((c, reply(deltas[c], 1.0, variances[c])) for c in range(3)))
+    record = server.round_record()
+    assert max(record["alpha"]) == pytest.approx(1 / (1 + 2 * math.exp(-0.5)), abs=1e-12)
+    assert (record["alpha_active"], record["alpha_dominated"]) == (True, False)
+    assert server.run_summary()["alpha_active_share"] == 1.0
+
+
 def test_the_share_of_rounds_one_client_dominates_alpha_is_logged(tmp_path: Path) -> None:
     """Catches a dominance count that misses a round, counts α = 1/3 each as dominated, or is
     lost from the summary: τ = 10 with batch-loss variances (0, .5, .5) gives client 0
     α = 1/(1 + 2e⁻⁵) ≈ 0.987, equal variances α = 1/3 each, (.2, .2, 0) client 2 1/(1 + 2e⁻²);
-    so rounds 1 and 3 of 3 are dominated (share 2/3)."""
+    so rounds 1 and 3 of 3 are dominated (share 2/3). α is active (max/min > 1.05, fedvr.md B3)
+    in the same two rounds: e⁵ and e² as ratios; equal variances give ratio 1."""
     server = make_server(tau=10.0, lambda_var=0.0)
     set_statistics(server)
     rounds = [([0.0, 0.5, 0.5], True), ([0.1, 0.1, 0.1], False), ([0.2, 0.2, 0.0], True)]
@@ -708,9 +724,11 @@ def test_the_share_of_rounds_one_client_dominates_alpha_is_logged(tmp_path: Path
         server.aggregate(rnd, iter((c, reply(deltas[c], 1.0, variances[c])) for c in range(3)))
         record = server.round_record()
         assert record["alpha_dominated"] is dominated, rnd
+        assert record["alpha_active"] is dominated, rnd
         assert record["alpha_dominated_rounds"] == sum(d for _, d in rounds[:rnd])
     assert max(server.round_log["alpha"]) == pytest.approx(1 / (1 + 2 * math.exp(-2)), abs=1e-12)
     assert server.run_summary()["alpha_dominated_share"] == pytest.approx(2 / 3, abs=1e-15)
+    assert server.run_summary()["alpha_active_share"] == pytest.approx(2 / 3, abs=1e-15)
 
     sim = run_sim(frozen_config(tmp_path, rounds=3), tmp_path / "run")
     logged = [

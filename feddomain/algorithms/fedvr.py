@@ -59,6 +59,7 @@ log = logging.getLogger("feddomain")
 STATS_TASK = "stats"
 STATS_ARRAY = "feature_stats"
 DOMINANT_SHARE = 0.5  # a client holding more than this share of α dominates the round
+ACTIVE_RATIO = 1.05  # fedvr.md B3: α weighs the clients when max/min α exceeds this
 
 
 class FedVRHparams(SynchronousHparams):
@@ -253,6 +254,7 @@ class FedVRServer(SynchronousServer):
         self.round_log: dict[str, Any] = {}
         self.weighted_rounds = 0  # rounds whose step weighed the clients by α
         self.dominated_rounds = 0  # ... in which one client held more than half of α
+        self.active_rounds = 0  # ... in which max/min α exceeded ACTIVE_RATIO
 
     def make_encoder(self, model: nn.Module) -> DomainEncoder | None:
         if self.hp.conditioning == "table":
@@ -316,8 +318,10 @@ class FedVRServer(SynchronousServer):
         gradient-alignment cosines of this round's step."""
         l_var = float(((losses - losses.mean()) ** 2).mean())
         dominated = float(alpha.max()) > DOMINANT_SHARE
+        active = float(alpha.max() / alpha.min()) > ACTIVE_RATIO
         self.weighted_rounds += 1
         self.dominated_rounds += int(dominated)
+        self.active_rounds += int(active)
         min_c = float(coefficients.min())
         if min_c < 0:
             log.warning("fedvr: a negative client coefficient c_i = %.4f this round", min_c)
@@ -328,6 +332,7 @@ class FedVRServer(SynchronousServer):
             "loss_batch_var": variances.tolist(),
             "alpha": alpha.tolist(),
             "alpha_dominated": dominated,
+            "alpha_active": active,
             **self.dominance(),
             "coef": coefficients.tolist(),
             "coef_min": min_c,
@@ -375,9 +380,16 @@ class FedVRServer(SynchronousServer):
 
     def dominance(self) -> dict[str, Any]:
         """The share of the rounds so far in which one client held more than half of α (τ too
-        large makes α winner-take-all: one client's update is then the step)."""
-        share = self.dominated_rounds / self.weighted_rounds if self.weighted_rounds else 0.0
-        return {"alpha_dominated_rounds": self.dominated_rounds, "alpha_dominated_share": share}
+        large makes α winner-take-all: one client's update is then the step), and in which α
+        weighed the clients at all (fedvr.md B3: max/min α above 1.05; τ too small leaves α
+        uniform and FedVR a plain average)."""
+        n = self.weighted_rounds or 1
+        return {
+            "alpha_dominated_rounds": self.dominated_rounds,
+            "alpha_dominated_share": self.dominated_rounds / n,
+            "alpha_active_rounds": self.active_rounds,
+            "alpha_active_share": self.active_rounds / n,
+        }
 
     def run_summary(self) -> dict[str, Any]:
         return {**super().run_summary(), **self.dominance()}
@@ -397,14 +409,16 @@ class FedVRServer(SynchronousServer):
             **super().state_dict(),
             "pilot": self.pilot,
             "round_log": self.round_log,
-            "alpha_rounds": (self.weighted_rounds, self.dominated_rounds),
+            "alpha_rounds": (self.weighted_rounds, self.dominated_rounds, self.active_rounds),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.pilot = dict(state["pilot"])
         self.round_log = state["round_log"]
-        self.weighted_rounds, self.dominated_rounds = state["alpha_rounds"]
+        # a checkpoint written before B3's count holds two counts; it resumes counting from 0
+        self.weighted_rounds, self.dominated_rounds, *active = state["alpha_rounds"]
+        self.active_rounds = active[0] if active else 0
 
 
 # ----------------------------------------------------------------------------- client
