@@ -52,6 +52,8 @@ def test_every_claim_names_two_methods_of_its_profile_and_a_reported_metric():
             assert spec.metric in {*METRICS, *OPTIONAL_METRICS}, (profile, claim)
             assert spec.text == claim, (profile, claim)  # the key the report looks up
             assert CAMPAIGN.STATEMENTS[claim], (profile, claim)  # the paper's words beside it
+    assert {c for _, c in CAMPAIGN.WHY} <= {c for cs in CAMPAIGN.CLAIMS.values() for c in cs}
+    assert all(claim in CAMPAIGN.CLAIMS[profile] for profile, claim in CAMPAIGN.WHY)
 
 
 VARIANTS = [(p, label) for p, variants in CAMPAIGN.VARIANTS.items() for label in variants]
