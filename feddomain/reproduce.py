@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 from rich.console import Console
 from rich.markup import escape
@@ -265,10 +265,10 @@ class Ours:
 
     def stat(self, i: int) -> tuple[float, float] | None:
         """Mean and sample std (0 for one seed) of metric ``i`` over the complete seeds."""
-        values = np.array([v[i] for v in self.seeds.values()], dtype=np.float64)
-        if values.size == 0:
+        values = [v[i] for v in self.seeds.values()]
+        if not values:
             return None
-        return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def collect(table: PaperTable, out: Path, user: Sequence[str]) -> dict[tuple[str, str], Ours]:
@@ -321,7 +321,7 @@ def _setting_cell(table: PaperTable, cell: Cell, runs: list[Any], per_seed: dict
     for seed, count in per_seed.items():
         of_seed = [_values(r, table.metrics) for r in runs if r.seed == seed]
         if len(of_seed) == count:
-            seeds[seed] = tuple(float(np.mean(col)) for col in zip(*of_seed, strict=True))
+            seeds[seed] = tuple(statistics.fmean(col) for col in zip(*of_seed, strict=True))
     return Ours(seeds, len(runs), sum(per_seed.values()))
 
 
@@ -333,7 +333,7 @@ def _mean_cell(parts: list[Ours]) -> Ours:
     """A mean_of cell: per seed that all its columns have, the mean of their values."""
     common = set.intersection(*(set(p.seeds) for p in parts))
     seeds = {
-        s: tuple(float(np.mean(col)) for col in zip(*(p.seeds[s] for p in parts), strict=True))
+        s: tuple(statistics.fmean(col) for col in zip(*(p.seeds[s] for p in parts), strict=True))
         for s in sorted(common)
     }
     return Ours(seeds, sum(p.finished for p in parts), sum(p.planned for p in parts))
