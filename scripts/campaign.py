@@ -318,6 +318,11 @@ WHY: dict[tuple[str, str], str] = {
     "recovers 6.3 points",
     ("pacs-effnet-frozen", "hfedf_parameter_average > fedavg"): "the fused model still trails "
     "FedAvg's one model",
+    ("pacs-effnet-frozen", "hfedf > pfedhn"): "hFedF's selected client step (lr 0.085) "
+    "personalises; pFedHN's (lr 0.0075) keeps its clients' models within 0.1 points",
+    ("pacs-effnet-frozen", "hfedf < pfedhn on client_ood_std"): "hFedF's clients' models "
+    "spread 10.7 points on the unseen domain, pFedHN's 0.1: the selection on the clients' own "
+    "validation rewards personalisation",
     ("pacs-effnet-frozen", "fedvr > fedavg"): "alpha is uniform in 96-98% of rounds (B3): the "
     "adapter fits the frozen features, so batch-loss variances are ~0",
 }
