@@ -297,14 +297,14 @@ def _finished_runs(
     runs each seed plans, from the directories ``feddomain sweep`` gives them."""
     from feddomain.config import load_config
     from feddomain.evaluation.report import load_run
-    from feddomain.sweep import slug, split_targets, yaml_text
+    from feddomain.sweep import run_parts, split_targets, yaml_text
 
     targets = split_targets(load_config(Path(setting.config), [*setting.overrides, *user]))
     per_seed = {seed: len(targets) for seed in table.seeds}
     runs = []
     for seed in table.seeds:
         for target in targets:
-            parts = [slug(f"seed={yaml_text(seed)}"), *([f"lodo-{slug(target)}"] if target else [])]
+            parts = run_parts([f"seed={yaml_text(seed)}"], target)
             run_dir = setting_dir(out, setting).joinpath(*parts)
             if (run_dir / "summary.json").is_file():
                 runs.append(load_run(run_dir, SELECTION, table.metrics)[0])

@@ -184,7 +184,7 @@ def plan(
             items = [*overrides, *point]
             if target is not None:
                 items.append(f"split.targets=[{yaml_text(target)}]")
-            parts = [p for p in (slug(",".join(point)), target and f"lodo-{slug(target)}") if p]
+            parts = run_parts(point, target)
             name = "/".join(parts)
             run_cfg = _load(config, items, point).to_dict()
             runs.append(SweepRun(name or ".", out.joinpath(*parts), run_cfg))
@@ -192,6 +192,11 @@ def plan(
     for run in runs:
         _check_saved(run)
     return runs
+
+
+def run_parts(point: list[str], target: str | None) -> list[str]:
+    """A run's directory below the sweep's: its grid point, then its target split."""
+    return [p for p in (slug(",".join(point)), target and f"lodo-{slug(target)}") if p]
 
 
 def yaml_text(value: Any) -> str:
