@@ -190,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
         "worst_domain_acc, ood_nll, ood_brier; fairness over clients: worst_client_acc, "
         "client_acc_std (id accuracy), client_ood_std (ood accuracy of each client's own "
         "model: personalised methods), client_loss_var (variance of the clients' training "
-        "losses); hypernetwork diagnostics: grad_cos_pairwise, embedding_l2",
+        "losses; client_loss_var_last50: its mean over the run's last 50 rounds, whatever the "
+        "selected round); hypernetwork diagnostics: grad_cos_pairwise, embedding_l2",
     )
     rep.add_argument(
         "--out",

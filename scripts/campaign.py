@@ -202,7 +202,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "hfedf < pfedhn on client_ood_std",  # hfedf.md §2.5: near-identical client models
         *(f"fedvr > {m}" for m in ("fedavg", "fedprox", "pfedhn", "hfedf", "fedsr", "fedgma")),
         "fedvr > fedvr_no_var",
-        "fedvr < fedvr_no_var on client_loss_var",  # fedvr.md B2: the regulariser's target
+        "fedvr < fedvr_no_var on client_loss_var_last50",  # fedvr.md B2: the regulariser's target
         "fedvr < fedavg on client_acc_std",  # FedVR's fairness: lower cross-client variance
         "fedvr < fedavg on ood_ece", "fedvr < hfedf on ood_ece",  # fedvr.md B5: calibration
         "fedvr > fedvr_parameter_average", "fedvr > fedvr_mean_embedding",  # fedvr.md B4
@@ -259,8 +259,8 @@ STATEMENTS: dict[str, str] = {
     "fedvr > fedgma": "FedVR §5: above the FDG baselines (no number)",
     "fedvr > fedvr_no_var": "FedVR §4: the variance regulariser (lambda_var > 0) generalises "
     "(fedvr.md B2; no number)",
-    "fedvr < fedvr_no_var on client_loss_var": "FedVR §4: the regulariser equalises the "
-    "clients' losses (fedvr.md B2; read at the selected round, not B2's last-50-round mean)",
+    "fedvr < fedvr_no_var on client_loss_var_last50": "FedVR §4: the regulariser equalises "
+    "the clients' losses (fedvr.md B2: L_var averaged over the last 50 rounds)",
     "fedvr < fedavg on client_acc_std": "FedVR §4: lower cross-client variance (fairness)",
     "fedvr < fedavg on ood_ece": "FedVR: better calibrated (fedvr.md B5; no number)",
     "fedvr < hfedf on ood_ece": "FedVR: better calibrated (fedvr.md B5; no number)",
@@ -325,6 +325,11 @@ WHY: dict[tuple[str, str], str] = {
     "validation rewards personalisation",
     ("pacs-effnet-frozen", "fedvr > fedavg"): "alpha is uniform in 96-98% of rounds (B3): the "
     "adapter fits the frozen features, so batch-loss variances are ~0",
+    ("pacs-effnet-frozen", "fedvr < fedvr_no_var on client_loss_var_last50"): "over the last 50 "
+    "rounds the clients' training losses are about 0.003 and their variance 3e-6 with or "
+    "without the regulariser: the adapter fits every client, nothing is left to equalise",
+    ("pacs-effnet-frozen", "fedvr > fedvr_no_var"): "the regulariser has no loss gap to act on "
+    "(the clients' losses ~0.003 after round 150, the row below)",
 }
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (

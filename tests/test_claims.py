@@ -4,6 +4,7 @@ setting grouped as one row however their hyper-parameters were written."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -109,6 +110,38 @@ def test_a_lower_is_better_claim_on_a_named_metric_pairs_that_metric(tmp_path: P
     claims.write_text("a < b on ood_spread_typo\n")
     with pytest.raises(DataError, match=r"records no numeric 'ood_spread_typo'"):
         build_report([root], claims_file=claims)
+
+
+def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_selection(
+    tmp_path: Path,
+):
+    """Catches fedvr.md B2's L_var read at the selected round (round 10 here) instead of
+    averaged over the last 50 rounds, a window off by one, and a run too short for the window
+    given a value. Per-round client_loss_var: a = round / 1000 over rounds 1-60 (mean of
+    rounds 11-60: 35.5 / 1000), b = 0.1 every round, so a - b = -0.0645 in every cell."""
+    root = tmp_path / "runs"
+    for method in ("a", "b"):
+        for target, seed in [(t, s) for t in ("photo", "sketch") for s in (0, 1)]:
+            run = write_run(root, method, target, seed, (0.6, 0.9, 0.1))
+            per_round = [r / 1000 if method == "a" else 0.1 for r in range(1, 61)]
+            (run / "rounds.jsonl").write_text(
+                json.dumps({"round": 0, "task": "collect"})
+                + "".join(
+                    "\n" + json.dumps({"round": r, "client_loss_var": v})
+                    for r, v in enumerate(per_round, start=1)
+                )
+            )
+    claims = tmp_path / "claims.txt"
+    claims.write_text("a < b on client_loss_var_last50\n")
+    (claim,) = build_report([root], claims_file=claims).claims
+    assert claim.mean == pytest.approx(35.5 / 1000 - 0.1, abs=1e-12)
+    assert (claim.low, claim.high, claim.verdict) == (claim.mean, claim.mean, "holds")
+    for method in ("a", "b"):
+        short = write_run(tmp_path / "short", method, "photo", 0, (0.6, 0.9, 0.1))
+        lines = (json.dumps({"round": r, "client_loss_var": 0.1}) for r in range(1, 50))
+        (short / "rounds.jsonl").write_text("\n".join(lines))
+    with pytest.raises(DataError, match=r"records no numeric 'client_loss_var_last50'"):
+        build_report([tmp_path / "short"], claims_file=claims)
 
 
 def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path):

@@ -53,7 +53,8 @@ METRICS = ("ood_acc", "id_acc", "ood_ece")
 # tables a report adds on request (`--metrics`), from the same selected round of each run
 OPTIONAL_METRICS = (
     "worst_domain_acc", "ood_macro_f1", "ood_nll", "ood_brier", "worst_client_acc",
-    "client_acc_std", "client_ood_std", "client_loss_var", "grad_cos_pairwise", "embedding_l2",
+    "client_acc_std", "client_ood_std", "client_loss_var", "client_loss_var_last50",
+    "grad_cos_pairwise", "embedding_l2",
 )  # fmt: skip
 # optional metrics that metrics.jsonl holds nested: name -> (field, key)
 NESTED_METRICS = {
@@ -63,6 +64,9 @@ NESTED_METRICS = {
     "grad_cos_pairwise": ("diagnostics", "cos_pairwise_mean"),
     "embedding_l2": ("diagnostics", "embedding_l2_mean"),
 }
+# run-level metrics: a per-round value (rounds.jsonl) averaged over the run's last rounds, the
+# same whichever round the selection picks: name -> (per-round key, rounds)
+TRAILING_METRICS = {"client_loss_var_last50": ("client_loss_var", 50)}  # fedvr.md B2
 METRIC_TITLES = {
     "ood_acc": "ood accuracy (%)",
     "id_acc": "id accuracy (%)",
@@ -75,6 +79,7 @@ METRIC_TITLES = {
     "client_acc_std": "std of id accuracy over clients (%)",
     "client_ood_std": "std over the clients' models of their ood accuracy (%)",
     "client_loss_var": "variance of the clients' training losses",
+    "client_loss_var_last50": "variance of the clients' training losses, mean of the last 50 rounds",
     "grad_cos_pairwise": "mean pairwise cosine of client gradients",
     "embedding_l2": "mean pairwise distance of client embeddings",
 }
@@ -538,6 +543,7 @@ def load_run(
         chosen = select(records, selection)
     except DataError as err:
         raise DataError(f"{metrics_path}: {err}") from err
+    chosen = {**chosen, **trailing_metrics(run_dir)}
     records.sort(key=lambda r: r["round"])  # select() checked every record has a unique round
     for metric in metrics:
         value = chosen.get(metric)
@@ -572,6 +578,21 @@ def resolved_config(raw: dict) -> dict:
         return {**raw, "algorithm": typed_section(section, defaults=True)}
     except (ConfigError, TypeError, ValueError):
         return raw
+
+
+def trailing_metrics(run_dir: Path) -> dict[str, float]:
+    """The ``TRAILING_METRICS`` a run's ``rounds.jsonl`` holds enough rounds for; a run shorter
+    than a window has none of that metric (a claim on it is then refused by name)."""
+    path = run_dir / "rounds.jsonl"
+    if not path.is_file():
+        return {}
+    rounds = sorted(read_metrics(path), key=lambda r: r.get("round", 0))
+    out = {}
+    for name, (key, window) in TRAILING_METRICS.items():
+        values = [r[key] for r in rounds if isinstance(r.get(key), int | float)]
+        if len(values) >= window:
+            out[name] = sum(values[-window:]) / window
+    return out
 
 
 def with_nested_metrics(record: dict) -> dict:
