@@ -79,7 +79,7 @@ METRIC_TITLES = {
     "client_acc_std": "std of id accuracy over clients (%)",
     "client_ood_std": "std over the clients' models of their ood accuracy (%)",
     "client_loss_var": "variance of the clients' training losses",
-    "client_loss_var_last50": "variance of the clients' training losses, mean of the last 50 rounds",
+    "client_loss_var_last50": "variance of the clients' training losses, last 50 rounds' mean",
     "grad_cos_pairwise": "mean pairwise cosine of client gradients",
     "embedding_l2": "mean pairwise distance of client embeddings",
 }
