@@ -202,6 +202,7 @@ FEDFD_ABLATIONS = (
 CLAIMS: dict[str, tuple[str, ...]] = {
     "pacs-effnet-frozen": (
         "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
+        "hfedf > fedprox", "hfedf > fedsr", "hfedf > fedgma",  # the rest of its Table 2
         "hfedf < pfedhn on client_ood_std",  # hfedf.md §2.5: near-identical client models
         *(f"fedvr > {m}" for m in ("fedavg", "fedprox", "pfedhn", "hfedf", "fedsr", "fedgma")),
         "fedvr > fedvr_no_var",
@@ -327,6 +328,8 @@ WHY: dict[tuple[str, str], str] = {
     "recovers 6.3 points",
     ("pacs-effnet-frozen", "hfedf_parameter_average > fedavg"): "the fused model still trails "
     "FedAvg's one model",
+    ("pacs-effnet-frozen", "hfedf > fedprox"): "the same personalisation as against FedAvg: "
+    "FedProx's one model is scored, hFedF's clients' own models spread 10.7 points",
     ("pacs-effnet-frozen", "hfedf > pfedhn"): "hFedF's selected client step (lr 0.085) "
     "personalises; pFedHN's (lr 0.0075) keeps its clients' models within 0.1 points",
     ("pacs-effnet-frozen", "hfedf < pfedhn on client_ood_std"): "hFedF's clients' models "
