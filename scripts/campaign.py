@@ -177,6 +177,19 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         # hfedf > pfedhn is refuted at hFedF's selected client lr (0.085), ten times pFedHN's:
         # hFedF at pFedHN's selected client lr, everything else its own selection
         "hfedf_lr0.0075": ("hfedf", ("train.lr=0.0075",)),
+        # ... and with pFedHN's server optimiser too (SGD, momentum 0.9) at pFedHN's selected
+        # values (its selected.yaml): what is left of the difference is hFedF's synchronous,
+        # GradAlign-weighted step and its EMA
+        "hfedf_pfedhn_server": (
+            "hfedf",
+            (
+                "train.lr=0.0075",
+                "algorithm.server_optimizer=sgd",
+                "algorithm.server_momentum=0.9",
+                "algorithm.lr_s=0.0607",
+                "algorithm.wd_s=0.000846",
+            ),
+        ),
         # fedvr.md B4: the zero-shot model against the mean of the clients' models and the
         # model of the clients' mean embedding
         "fedvr_parameter_average": ("fedvr", ("algorithm.ood_model=parameter_average",)),
@@ -214,6 +227,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "hfedf_parameter_average > hfedf", "hfedf_parameter_average > fedavg",
         # the experiment behind hfedf > pfedhn (refuted): the client step
         "hfedf_lr0.0075 > pfedhn", "hfedf_lr0.0075 < hfedf on client_ood_std",
+        "hfedf_pfedhn_server > pfedhn", "hfedf_pfedhn_server < hfedf on client_ood_std",
         *(f"{m} > fedavg" for m in BASELINES_OVER_FEDAVG),
         "fedavg > fedgma",  # the one seed table with both (hFedF's) orders FedGMA below
     ),
@@ -257,6 +271,10 @@ STATEMENTS: dict[str, str] = {
     "against pFedHN",
     "hfedf_lr0.0075 < hfedf on client_ood_std": "(experiment) the smaller client step keeps "
     "hFedF's clients' models together on the unseen domain",
+    "hfedf_pfedhn_server > pfedhn": "(experiment) hFedF with pFedHN's server optimiser (SGD, "
+    "momentum 0.9) and selected values (client lr, lr_s, wd_s) against pFedHN",
+    "hfedf_pfedhn_server < hfedf on client_ood_std": "(experiment) pFedHN's server optimiser "
+    "keeps hFedF's clients' models together on the unseen domain",
     "hfedf_parameter_average > fedavg": "(experiment) the mean of hFedF's clients' models "
     "against FedAvg's one model",
     "fedvr > fedavg": "FedVR Table 1, PACS mean 80.26 (its baseline rows are not ood "
