@@ -142,6 +142,8 @@ def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_select
         (short / "rounds.jsonl").write_text("\n".join(lines))
     with pytest.raises(DataError, match=r"records no numeric 'client_loss_var_last50'"):
         build_report([tmp_path / "short"], claims_file=claims)
+    with pytest.raises(DataError, match=r"over the last 50 rounds, and this run has fewer"):
+        build_report([tmp_path / "short"], extra_metrics=("client_loss_var_last50",))
 
 
 def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path):

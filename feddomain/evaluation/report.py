@@ -547,6 +547,12 @@ def load_run(
     records.sort(key=lambda r: r["round"])  # select() checked every record has a unique round
     for metric in metrics:
         value = chosen.get(metric)
+        if metric in TRAILING_METRICS and value is None:
+            key, window = TRAILING_METRICS[metric]
+            raise DataError(
+                f"{run_dir / 'rounds.jsonl'}: {metric!r} is the mean of {key!r} over the last "
+                f"{window} rounds, and this run has fewer rounds with it"
+            )
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise DataError(
                 f"{metrics_path}: round {chosen['round']} has no numeric {metric!r} (got {value!r})"
