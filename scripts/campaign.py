@@ -180,17 +180,11 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         # ... and with the paper's Adam server step (hfedf.md Table 10: lr_s 1e-3 on PACS)
         "hfedf_lr0.0075_lrs0.001": ("hfedf", ("train.lr=0.0075", "algorithm.lr_s=0.001")),
         # ... and with pFedHN's server optimiser too (SGD, momentum 0.9) at pFedHN's selected
-        # values (its selected.yaml): what is left of the difference is hFedF's synchronous,
+        # values (BORROWED): what is left of the difference is hFedF's synchronous,
         # GradAlign-weighted step and its EMA
         "hfedf_pfedhn_server": (
             "hfedf",
-            (
-                "train.lr=0.0075",
-                "algorithm.server_optimizer=sgd",
-                "algorithm.server_momentum=0.9",
-                "algorithm.lr_s=0.0607",
-                "algorithm.wd_s=0.000846",
-            ),
+            ("algorithm.server_optimizer=sgd", "algorithm.server_momentum=0.9"),
         ),
         # fedvr.md B4: the zero-shot model against the mean of the clients' models and the
         # model of the clients' mean embedding
@@ -199,6 +193,13 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
     },
     **{profile: FEDFD_VARIANTS for profile in BN_PROFILES},
 }
+# (profile, variant) -> (method, keys): values a variant takes from another method's selection
+# on the same profile, rounded to 3 significant figures (as its committed runs were made)
+BORROWED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    ("pacs-effnet-frozen", "hfedf_pfedhn_server"): (
+        "pfedhn", ("train.lr", "algorithm.lr_s", "algorithm.wd_s"),
+    ),
+}  # fmt: skip
 
 
 BASELINES_OVER_FEDAVG = ("fedsr", "feddg_ga", "fediir", "scaffold", "fedsam")
@@ -434,11 +435,36 @@ def variant_overrides(out: Path, profile: str, label: str) -> list[str] | None:
 
     base, extra = VARIANTS[profile][label]
     selected = out / profile / base / "selected.yaml"
-    if not selected.is_file():
+    borrowed = borrowed_overrides(out, profile, label)
+    if not selected.is_file() or borrowed is None:
         return None
     ((_, _, tuned),) = [p for p in plan([profile], [base])]
     chosen = read_selected(selected)["selected"]["overrides"]
-    return [*tuned, *chosen, *extra, f"algorithm.label={label}"]
+    return [*tuned, *chosen, *extra, *borrowed, f"algorithm.label={label}"]
+
+
+def borrowed_overrides(out: Path, profile: str, label: str) -> list[str] | None:
+    """The ``BORROWED`` values of variant ``label`` as overrides; None while the method they
+    come from has no selection yet."""
+    from feddomain.tune import read_selected
+
+    if (profile, label) not in BORROWED:
+        return []
+    method, keys = BORROWED[profile, label]
+    selected = out / profile / method / "selected.yaml"
+    if not selected.is_file():
+        return None
+    params = read_selected(selected)["selected"]["params"]
+    return [f"{key}={params[key]:.3g}" for key in keys]
+
+
+def variant_change(profile: str, label: str) -> str:
+    """What variant ``label`` changes in its base's selection, in words."""
+    changed = " ".join(VARIANTS[profile][label][1])
+    if (profile, label) in BORROWED:
+        method, keys = BORROWED[profile, label]
+        changed += f" and {method}'s selected {', '.join(keys)}"
+    return changed
 
 
 def run_variant(out: Path, profile: str, label: str, data: Path, jobs: int) -> None:
@@ -533,7 +559,7 @@ def _tuning_row(out: Path, profile: str, label: str) -> str:
     selected = read_selected(tune_dir / "selected.yaml")
     chosen = ", ".join(_short(o) for o in selected["selected"]["overrides"])
     if base != label:
-        chosen = f"{base}'s, with {' '.join(VARIANTS[profile][label][1])}"
+        chosen = f"{base}'s, with {variant_change(profile, label)}"
     reused = tune_dir / "confirm" / f"seed={selected.get('run_seed', 0)}"
     runs = [p for p in (out / profile / label).rglob("summary.json") if reused not in p.parents]
     hours = sum(json.loads(p.read_text()).get("wall_time_s", 0.0) for p in runs) / 3600
@@ -626,8 +652,7 @@ def main() -> None:
         logging.info("%s %s: %.0f s", profile, method, time.perf_counter() - started)
     for profile, label, base in variant_plan(args.profiles, args.methods):
         if args.list:
-            changed = " ".join(VARIANTS[profile][label][1])
-            print(f"{profile:20s} {label:20s} {base}'s selection, {changed}")
+            print(f"{profile:20s} {label:20s} {base}'s selection, {variant_change(profile, label)}")
             continue
         if args.data is None:
             ap.error("--data is required to run")

@@ -64,16 +64,25 @@ def test_every_variant_changes_a_tuned_method_in_a_valid_way(profile, label, tmp
     """Catches a variant of a method its profile does not tune (it would wait forever) and one
     whose change the config refuses; a selection written by the base's tune is carried over,
     the variant's own change applied after it (overriding a selected value it names) and its
-    row labelled."""
+    row labelled; values borrowed from another method's selection taken from it, rounded."""
     base, extra = CAMPAIGN.VARIANTS[profile][label]
     assert base in CAMPAIGN.METHODS[profile]
     assert CAMPAIGN.variant_overrides(tmp_path, profile, label) is None  # no tune yet
     (tmp_path / profile / base).mkdir(parents=True)
     selected = {"selected": {"overrides": ["train.lr=0.0123"]}}
     (tmp_path / profile / base / "selected.yaml").write_text(yaml.safe_dump(selected))
+    changed = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in extra)}
+    if (profile, label) in CAMPAIGN.BORROWED:  # 3 significant figures of the lender's values
+        lender, keys = CAMPAIGN.BORROWED[profile, label]
+        assert lender in CAMPAIGN.METHODS[profile]
+        assert CAMPAIGN.variant_overrides(tmp_path, profile, label) is None  # lender untuned
+        params = {key: 0.0012345 * 10**i for i, key in enumerate(keys)}
+        (tmp_path / profile / lender).mkdir()
+        lent = {"selected": {"overrides": [], "params": params}}
+        (tmp_path / profile / lender / "selected.yaml").write_text(yaml.safe_dump(lent))
+        changed |= {key: [0.00123, 0.0123, 0.123, 1.23][i] for i, key in enumerate(keys)}
     overrides = CAMPAIGN.variant_overrides(tmp_path, profile, label)
     cfg = load_config(ROOT / CAMPAIGN.PROFILES[profile][0], ["dataset.root=/data", *overrides])
-    changed = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in extra)}
     assert (cfg.algorithm.label, cfg.train.lr) == (label, changed.get("train.lr", 0.0123))
     assert {k: _dotted(cfg, k) for k in changed} == changed
 

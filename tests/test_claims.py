@@ -118,7 +118,9 @@ def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_select
     """Catches fedvr.md B2's L_var read at the selected round (round 10 here) instead of
     averaged over the last 50 rounds, a window off by one, and a run too short for the window
     given a value. Per-round client_loss_var: a = round / 1000 over rounds 1-60 (mean of
-    rounds 11-60: 35.5 / 1000), b = 0.1 every round, so a - b = -0.0645 in every cell."""
+    rounds 11-60: 35.5 / 1000), b = 0.1 every round, so a - b = -0.0645 in every cell. Also
+    catches every report reading every run's rounds.jsonl when no trailing metric is asked for
+    (a damaged one then blocks an unrelated report)."""
     root = tmp_path / "runs"
     for method in ("a", "b"):
         for target, seed in [(t, s) for t in ("photo", "sketch") for s in (0, 1)]:
@@ -144,6 +146,8 @@ def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_select
         build_report([tmp_path / "short"], claims_file=claims)
     with pytest.raises(DataError, match=r"over the last 50 rounds, and this run has fewer"):
         build_report([tmp_path / "short"], extra_metrics=("client_loss_var_last50",))
+    (short / "rounds.jsonl").write_text("{not json\n")  # read only when a metric needs it
+    assert len(build_report([tmp_path / "short"]).runs) == 2
 
 
 def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path):

@@ -529,9 +529,14 @@ def _summary_fields(path: Path, summary: dict) -> tuple[str, str, tuple[str, ...
 
 
 def load_run(
-    run_dir: Path, selection: str, metrics: tuple[str, ...] = METRICS
+    run_dir: Path,
+    selection: str,
+    metrics: tuple[str, ...] = METRICS,
+    claimed: tuple[str, ...] = (),
 ) -> tuple[RunResult, list[str]]:
-    """One run and any warnings about it (summary disagreeing with its own metrics)."""
+    """One run and any warnings about it (summary disagreeing with its own metrics).
+    ``claimed`` names metrics a claim reads but the report does not show: a trailing metric
+    among them or ``metrics`` is computed, the others are never read."""
     for name in RUN_FILES:
         if not (run_dir / name).is_file():
             raise DataError(f"run directory {run_dir} has summary.json but no {name}")
@@ -543,7 +548,9 @@ def load_run(
         chosen = select(records, selection)
     except DataError as err:
         raise DataError(f"{metrics_path}: {err}") from err
-    chosen = {**chosen, **trailing_metrics(run_dir)}
+    trailing = [m for m in dict.fromkeys(metrics + claimed) if m in TRAILING_METRICS]
+    if trailing:
+        chosen = {**chosen, **trailing_metrics(run_dir, trailing)}
     records.sort(key=lambda r: r["round"])  # select() checked every record has a unique round
     for metric in metrics:
         value = chosen.get(metric)
@@ -586,15 +593,17 @@ def resolved_config(raw: dict) -> dict:
         return raw
 
 
-def trailing_metrics(run_dir: Path) -> dict[str, float]:
-    """The ``TRAILING_METRICS`` a run's ``rounds.jsonl`` holds enough rounds for; a run shorter
-    than a window has none of that metric (a claim on it is then refused by name)."""
+def trailing_metrics(run_dir: Path, names: list[str]) -> dict[str, float]:
+    """Those of ``names`` (keys of ``TRAILING_METRICS``) that a run's ``rounds.jsonl`` holds
+    enough rounds for; a run shorter than a window has none of that metric (a claim on it is
+    then refused by name)."""
     path = run_dir / "rounds.jsonl"
     if not path.is_file():
         return {}
     rounds = sorted(read_metrics(path), key=lambda r: r.get("round", 0))
     out = {}
-    for name, (key, window) in TRAILING_METRICS.items():
+    for name in names:
+        key, window = TRAILING_METRICS[name]
         values = [r[key] for r in rounds if isinstance(r.get(key), int | float)]
         if len(values) >= window:
             out[name] = sum(values[-window:]) / window
@@ -737,9 +746,11 @@ def build_report(
         else f"skipped unfinished run {d} (no summary.json)"
         for d in unfinished
     ]
+    claim_specs = read_claims(Path(claims_file)) if claims_file else []
+    claimed = tuple(spec.metric for spec in claim_specs)
     runs = []
     for run_dir in finished:
-        run, notes = load_run(run_dir, selection, metrics)
+        run, notes = load_run(run_dir, selection, metrics, claimed)
         runs.append(run)
         warnings += notes
     runs = label_by_settings(runs)
@@ -747,7 +758,7 @@ def build_report(
     notes = warnings + mixing_warnings(groups)
     report = Report(selection, runs, groups, notes, spread=spread, metrics=metrics)
     specs = against(report, against_method) if against_method else []
-    specs += read_claims(Path(claims_file)) if claims_file else []
+    specs += claim_specs
     report.claims = evaluate(report, specs, bootstrap=bootstrap)
     report.tuning = tuning(runs)
     if out is not None:
