@@ -193,8 +193,9 @@ def test_the_feature_loss_vanishes_when_both_paths_are_the_same():
 
 def test_the_losses_are_hand_computed_ce_cafl_and_cacl_on_the_diversified_path():
     """Catches CAFL as a per-dimension mean (or over the wrong axis), CACL on the wrong logits,
-    or the λ weights swapped: each term against a float64 computation from the two paths'
-    features, obtained here by setting the modes by hand (u fixed at 0.3)."""
+    the λ weights swapped, or ``feature_loss: mean`` not dividing the sum by the width: each
+    term against a float64 computation from the two paths' features, obtained here by setting
+    the modes by hand (u fixed at 0.3)."""
     model, (x, y) = _small_model(), _batch()
     reference = copy.deepcopy(model)
     set_bn_mode(reference, BNMode("batch"))
@@ -208,6 +209,11 @@ def test_the_losses_are_hand_computed_ce_cafl_and_cacl_on_the_diversified_path()
     loss = fedfd_loss(FedFDHparams(u=0.3, lambda_feature=0.25, lambda_classifier=4.0))
     got = loss(model, x, y).double()
     want = ce + 0.25 * cafl + 4.0 * cacl
+    assert abs(got - want) <= 1e-5 * abs(want)
+    per_dimension = FedFDHparams(u=0.3, lambda_feature=0.25, lambda_classifier=4.0,
+                                 feature_loss="mean")  # fmt: skip
+    got = fedfd_loss(per_dimension)(model, x, y).double()
+    want = ce + 0.25 * cafl / 8 + 4.0 * cacl  # F3's fallback: λ_F / d on the sum, d = 8
     assert abs(got - want) <= 1e-5 * abs(want)
 
 
@@ -264,6 +270,24 @@ def test_fedfd_scores_the_unseen_domain_with_the_global_statistics_and_training_
     assert record["per_domain"] == expected
     assert record["per_client"]["id_acc"] == [float(_acc_of(plain, v)) for v in fed.val]
     assert _records(tmp_path / "tbn")[-1]["ood_nll"] != record["ood_nll"]  # its mode is used
+
+
+@pytest.mark.parametrize(("test_mode", "scorings"), [("global", 1), ("random", 1), ("local", 3)])
+def test_the_target_is_scored_once_unless_the_test_mode_reads_each_clients_statistics(
+    test_mode, scorings, tmp_path
+):
+    """Catches every client scoring the target domains with its own running statistics loaded
+    when the test mode never reads them (once per client instead of once: ten times the
+    evaluation on digits3-bn), and ``local`` (SiloBN's) losing its per-client models: the
+    held-out domains are scored once, or once per client (3 here), per evaluation."""
+    cfg = fd_config("fedfd", rounds=1, algorithm={"test_mode": test_mode})
+    sim = Simulation(cfg, uneven_federation(cfg), tmp_path)
+    calls = []
+    score_held_out = sim.score_held_out
+    sim.score_held_out = lambda: calls.append(1) or score_held_out()
+    sim.run()
+    assert len(calls) == scorings * len(_records(tmp_path))
+    assert (sim.server.eval_arrays(None) is None) == (test_mode != "local")
 
 
 def test_fedfd_a_scores_the_same_with_evaluation_batches_of_1_and_512(tmp_path):
