@@ -9,9 +9,13 @@ rounds (data, model) plus the first round's extra over a steady one. A full run 
     fixed + rounds x train + (rounds / eval.every) x evaluate
 
 and a tune ``trials x targets`` runs, plus ``(seeds - 1) x targets`` confirmation runs (the
-tune's own seed reuses the selected trial). The plan's two Digits3 lambdas cost the same per
-run, so only lambda 0.1 is probed. One-time caches (the frozen features, a frozen prefix) are
-filled before the probes and not counted: ``docs/performance.md`` times them. Run:
+tune's own seed reuses the selected trial). Each probe also says whether the method learns at
+its defaults before its tune is paid for: source validation and ood accuracy after the probe's
+rounds, the share of client updates the server accepted (a non-finite one is rejected) and the
+method's own diagnostics in the last evaluation (FedFD's CAFL/CE, FISC's style shift, ...).
+The plan's two Digits3 lambdas cost the same per run, so only lambda 0.1 is probed. One-time
+caches (the frozen features, a frozen prefix) are filled before the probes and not counted:
+``docs/performance.md`` times them. Run:
 
     python benchmarks/campaign_cost.py --data /data --profiles digits3-bn-lam0.1 --out cost.csv
 """
@@ -28,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from feddomain.config import load_config
 from feddomain.sweep import split_targets
@@ -45,9 +50,10 @@ def campaign() -> object:
     return module
 
 
-def probe(config: Path, overrides: list[str], target: str, out: Path) -> dict[str, float]:
+def probe(config: Path, overrides: list[str], target: str, out: Path) -> dict[str, Any]:
     """Run ``PROBE_ROUNDS`` rounds on ``target`` in a fresh process; the steady seconds per
-    round of training and per evaluation, and the fixed rest of the wall time."""
+    round of training and per evaluation, the fixed rest of the wall time, and what the method
+    learned (``learned``)."""
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "feddomain", "run", str(config), *overrides,
@@ -64,7 +70,36 @@ def probe(config: Path, overrides: list[str], target: str, out: Path) -> dict[st
     evaluate = statistics.mean(t["evaluate"] for t in times[1:])
     in_rounds = sum(t["train"] + t["aggregate"] + t["evaluate"] for t in times)
     first_extra = max(0.0, times[0]["train"] + times[0]["aggregate"] - train)
-    return {"train_s": train, "eval_s": evaluate, "fixed_s": wall - in_rounds + first_extra}
+    cost = {"train_s": train, "eval_s": evaluate, "fixed_s": wall - in_rounds + first_extra}
+    return {**cost, **learned(out, logged)}
+
+
+def learned(out: Path, logged: list[dict]) -> dict[str, Any]:
+    """Source validation and ood accuracy at the probe's last evaluation, the share of client
+    updates accepted over its rounds, and the method's scalar diagnostics there."""
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    rounds = [r for r in logged if "participants" in r]
+    accepted = sum(len(r.get("client_loss", {})) for r in rounds)
+    sent = sum(r["participants"] for r in rounds)
+    return {
+        "id_acc": round(100 * last["id_acc"], 1),
+        "ood_acc": round(100 * last["ood_acc"], 1),
+        "accepted": round(accepted / sent, 2),
+        "diagnostics": " ".join(
+            f"{k}={v:.3g}" for k, v in _scalars(last.get("diagnostics", {})).items()
+        ),
+    }
+
+
+def _scalars(tree: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers of a nested dict, by dotted key (lists and strings left out)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _scalars(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def main() -> None:
@@ -94,13 +129,15 @@ def main() -> None:
                  + cfg.rounds / cfg.eval.every * cost["eval_s"])  # fmt: skip
         runs = plan_module.TRIALS * len(targets) + (len(plan_module.SEEDS) - 1) * len(targets)
         rows.append({
-            "profile": profile, "method": label, **{k: round(v, 2) for k, v in cost.items()},
+            "profile": profile, "method": label,
+            **{k: round(v, 2) if isinstance(v, float) else v for k, v in cost.items()},
             "run_s": round(run_s), "runs": runs, "tune_h": round(runs * run_s / 3600, 2),
         })  # fmt: skip
         print(
             f"{profile:20s} {label:20s} round {cost['train_s']:6.2f}s  eval "
             f"{cost['eval_s']:5.2f}s  fixed {cost['fixed_s']:5.1f}s  run {run_s:6.0f}s  "
-            f"x{runs}  {rows[-1]['tune_h']:5.2f} h",
+            f"x{runs}  {rows[-1]['tune_h']:5.2f} h  | id {cost['id_acc']:5.1f}  ood "
+            f"{cost['ood_acc']:5.1f}  accepted {cost['accepted']:.2f}  {cost['diagnostics']}",
             flush=True,
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
