@@ -259,7 +259,7 @@ def _run_splits(
     torch.set_num_threads(cfg.torch_threads)
     feds = federations(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    _write_config(out, cfg)
+    _write_config(out, cfg, resume=resume)
     run_dirs = []
     for fed in feds:
         split = fed.split
@@ -272,7 +272,7 @@ def _run_splits(
             raise FeddomainError(f"{run_dir} already holds a finished run")
         run_dir.mkdir(parents=True, exist_ok=True)
         if run_dir != out:
-            _write_config(run_dir, cfg)
+            _write_config(run_dir, cfg, resume=resume)
         label = f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}"
         run_name = f"{name}/{split.name}" if name and len(feds) > 1 else name
         tracker = open_tracker(cfg, run_name or _default_run_name(cfg, split.name), run_dir)
@@ -343,8 +343,10 @@ def _undo_start(out: Path, existed: bool) -> None:
             child.unlink(missing_ok=True)
 
 
-def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
-    """The resolved config (re-loadable as is) and the provenance of the code that ran it."""
+def _write_config(run_dir: Path, cfg: ExperimentConfig, *, resume: bool = False) -> None:
+    """The resolved config (re-loadable as is) and the provenance of the code that ran it. A
+    resumed run keeps the provenance of its start and lists each resumption's under
+    ``resumed`` (a finished run, which a resume leaves alone, gets no entry)."""
     import torch
 
     from feddomain.federation.device import describe as describe_device
@@ -360,7 +362,13 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig) -> None:
         "device": describe_device(cfg.device),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep's GPU pinning
     }
-    _write_atomic(run_dir / "provenance.yaml", yaml.safe_dump(provenance, sort_keys=False))
+    path = run_dir / "provenance.yaml"
+    if resume and path.is_file():
+        if (run_dir / "summary.json").is_file():
+            return
+        first = yaml.safe_load(path.read_text()) or {}
+        provenance = {**first, "resumed": [*first.get("resumed", []), provenance]}
+    _write_atomic(path, yaml.safe_dump(provenance, sort_keys=False))
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 

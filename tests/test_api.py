@@ -91,6 +91,28 @@ def test_run_returns_the_runs_records_and_refuses_a_used_out(tmp_path: Path) -> 
     assert resumed.runs == [run]
 
 
+def test_a_resumed_run_keeps_the_provenance_of_its_start_and_lists_each_resumption(
+    tmp_path: Path,
+) -> None:
+    """Catches a resume overwriting the provenance of the code that ran a run's first rounds
+    (its commit and start time) with the resuming code's, and a no-op resume of a finished run
+    recorded as a resumption."""
+    cfg = feddomain.load_config(DEMO, *CHEAP)
+    feddomain.run(cfg, out=tmp_path / "r", quiet=True)
+    path = tmp_path / "r" / "provenance.yaml"
+    first = yaml.safe_load(path.read_text())
+    first["git_commit"] = "0" * 40  # as if the first rounds ran on another commit
+    path.write_text(yaml.safe_dump(first, sort_keys=False))
+    feddomain.run(feddomain.load_config(DEMO, *CHEAP, rounds=3), out=tmp_path / "r",
+                  resume=True, quiet=True)  # fmt: skip
+    after = yaml.safe_load(path.read_text())
+    assert {k: v for k, v in after.items() if k != "resumed"} == first
+    (resumed,) = after["resumed"]
+    assert resumed["git_commit"] != "0" * 40 and resumed["started"] >= first["started"]
+    feddomain.run(out=tmp_path / "r", resume=True, quiet=True)  # finished: nothing resumed
+    assert yaml.safe_load(path.read_text()) == after
+
+
 def test_report_is_the_clis_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
