@@ -120,7 +120,8 @@ def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_select
     given a value. Per-round client_loss_var: a = round / 1000 over rounds 1-60 (mean of
     rounds 11-60: 35.5 / 1000), b = 0.1 every round, so a - b = -0.0645 in every cell. Also
     catches every report reading every run's rounds.jsonl when no trailing metric is asked for
-    (a damaged one then blocks an unrelated report)."""
+    (a damaged one then blocks an unrelated report), and the value a run's summary keeps
+    (``trailing``) not read when the per-round log is absent (the campaign commits none)."""
     root = tmp_path / "runs"
     for method in ("a", "b"):
         for target, seed in [(t, s) for t in ("photo", "sketch") for s in (0, 1)]:
@@ -148,6 +149,14 @@ def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_select
         build_report([tmp_path / "short"], extra_metrics=("client_loss_var_last50",))
     (short / "rounds.jsonl").write_text("{not json\n")  # read only when a metric needs it
     assert len(build_report([tmp_path / "short"]).runs) == 2
+    for run in root.rglob("rounds.jsonl"):  # a run's summary keeps it: no per-round log needed
+        summary = json.loads((run.parent / "summary.json").read_text())
+        kept = 0.5 if run.parent.name.startswith("a_") else 0.25
+        summary["trailing"] = {"client_loss_var_last50": kept}
+        (run.parent / "summary.json").write_text(json.dumps(summary))
+        run.unlink()
+    (claim,) = build_report([root], claims_file=claims).claims
+    assert (claim.mean, claim.verdict) == (0.25, "refuted")
 
 
 def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path):

@@ -11,6 +11,7 @@ import pytest
 
 from feddomain.algorithms.fedavg import FedAvgClient, FedAvgServer
 from feddomain.evaluation.report import build_report
+from feddomain.evaluation.trailing import TRAILING_METRICS
 from feddomain.federation.messages import Message
 from tests.engine_helpers import run_sim, temporary_method, tiny_config
 from tests.test_report import _add_record_values, table, write_runs
@@ -55,6 +56,27 @@ def test_each_round_logs_its_participants_losses_and_their_population_variance(t
         run_sim(tiny_config(algorithm="_fixed_loss", rounds=1, partition__n_clients=4), full)
     # losses 0.5, 2, 3.5, 1: mean 1.75; squared deviations 1.5625, 0.0625, 3.0625, 0.5625
     assert rounds_of(full)[0]["client_loss_var"] == pytest.approx(5.25 / 4, abs=1e-15)
+
+
+def test_the_summary_keeps_each_trailing_mean_its_run_is_long_enough_for(tmp_path, monkeypatch):
+    """Catches the run-level trailing means (fedvr.md B2's L_var over the last rounds) left out
+    of summary.json, averaged over the wrong rounds, or given for a window longer than the run:
+    over 3 rounds with 2 of 4 clients sampled, the last-2 mean is that of rounds 2 and 3, each
+    ((a - b) / 2)^2 of the two reported losses; a 9-round window has no value."""
+    monkeypatch.setitem(TRAILING_METRICS, "loss_var_last2", ("client_loss_var", 2))
+    monkeypatch.setitem(TRAILING_METRICS, "loss_var_last9", ("client_loss_var", 9))
+    with temporary_method("_fixed_loss", FedAvgServer, FixedLossClient):
+        cfg = tiny_config(
+            algorithm="_fixed_loss", rounds=3, partition__n_clients=4, topology__sample_fraction=0.5
+        )
+        run_sim(cfg, tmp_path)
+    variances = []
+    for record in rounds_of(tmp_path)[1:]:
+        a, b = (REPORTED[int(c)] for c in record["client_loss"])
+        variances.append(((a - b) / 2) ** 2)
+    trailing = json.loads((tmp_path / "summary.json").read_text())["trailing"]
+    assert trailing["loss_var_last2"] == pytest.approx(sum(variances) / 2, abs=1e-15)
+    assert "loss_var_last9" not in trailing
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ from feddomain.evaluation.claims import (
     tuning_markdown,
 )
 from feddomain.evaluation.selection import RULES, select
+from feddomain.evaluation.trailing import TRAILING_METRICS, trailing_means
 from feddomain.federation.privacy import CLIENT_SERVER, KINDS
 
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
@@ -66,7 +67,6 @@ NESTED_METRICS = {
 }
 # run-level metrics: a per-round value (rounds.jsonl) averaged over the run's last rounds, the
 # same whichever round the selection picks: name -> (per-round key, rounds)
-TRAILING_METRICS = {"client_loss_var_last50": ("client_loss_var", 50)}  # fedvr.md B2
 METRIC_TITLES = {
     "ood_acc": "ood accuracy (%)",
     "id_acc": "id accuracy (%)",
@@ -550,7 +550,7 @@ def load_run(
         raise DataError(f"{metrics_path}: {err}") from err
     trailing = [m for m in dict.fromkeys(metrics + claimed) if m in TRAILING_METRICS]
     if trailing:
-        chosen = {**chosen, **trailing_metrics(run_dir, trailing)}
+        chosen = {**chosen, **trailing_metrics(run_dir, summary, trailing)}
     records.sort(key=lambda r: r["round"])  # select() checked every record has a unique round
     for metric in metrics:
         value = chosen.get(metric)
@@ -593,21 +593,16 @@ def resolved_config(raw: dict) -> dict:
         return raw
 
 
-def trailing_metrics(run_dir: Path, names: list[str]) -> dict[str, float]:
-    """Those of ``names`` (keys of ``TRAILING_METRICS``) that a run's ``rounds.jsonl`` holds
-    enough rounds for; a run shorter than a window has none of that metric (a claim on it is
-    then refused by name)."""
+def trailing_metrics(run_dir: Path, summary: dict, names: list[str]) -> dict[str, float]:
+    """Those of ``names`` (keys of ``TRAILING_METRICS``) the run has: from its summary
+    (``trailing``), else from its ``rounds.jsonl`` (a run from before summaries kept them)."""
+    saved = summary.get("trailing")
+    found = {n: saved[n] for n in names if n in saved} if isinstance(saved, dict) else {}
+    missing = [n for n in names if n not in found]
     path = run_dir / "rounds.jsonl"
-    if not path.is_file():
-        return {}
-    rounds = sorted(read_metrics(path), key=lambda r: r.get("round", 0))
-    out = {}
-    for name in names:
-        key, window = TRAILING_METRICS[name]
-        values = [r[key] for r in rounds if isinstance(r.get(key), int | float)]
-        if len(values) >= window:
-            out[name] = sum(values[-window:]) / window
-    return out
+    if missing and path.is_file():
+        found |= trailing_means(read_metrics(path), missing)
+    return found
 
 
 def with_nested_metrics(record: dict) -> dict:

@@ -35,6 +35,7 @@ from feddomain.data.federated import FederatedData
 from feddomain.errors import DIVERGED_RECORD, ConfigError, DivergedError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
 from feddomain.evaluation.selection import select
+from feddomain.evaluation.trailing import trailing_means
 from feddomain.federation import checkpoint
 from feddomain.federation.batched import OptimizerSettings, batching_problem
 from feddomain.federation.data import ClientData
@@ -739,6 +740,9 @@ class Simulation:
             "client_domain_counts": self.data.client_domain_counts.tolist(),
             "wall_time_s": round(wall_time, 3),
         }
+        trailing = trailing_means(self.round_log)
+        if trailing:
+            out["trailing"] = trailing
         server = self.server.run_summary()
         if server:
             out["server"] = server
