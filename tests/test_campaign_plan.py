@@ -12,7 +12,7 @@ import yaml
 
 from feddomain.config import load_config
 from feddomain.evaluation.claims import ClaimSpec
-from feddomain.evaluation.report import METRICS, OPTIONAL_METRICS
+from feddomain.evaluation.report import METRICS, OPTIONAL_METRICS, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,3 +128,29 @@ def test_a_confirmation_counts_only_once_every_seed_and_target_has_finished(tmp_
     assert done == {} and progress == {"fedvr": "fedvr confirming (11 of 12 runs)"}
     (runs[-1] / "summary.json").write_text("{}")
     assert CAMPAIGN.confirmations(tmp_path, "pacs-effnet-frozen")[0] == {"fedvr": confirm}
+
+
+def _run(label: str, rejected: int, merges: list[dict], seconds: dict | None = None):
+    """A confirmation run as the report loads it, with only what the mechanism table reads."""
+    summary = {"rejected_updates": [{"round": 1}] * rejected, "phase_seconds": seconds or {}}
+    records = [{"round": 5, "diagnostics": {"merge": merges}}]
+    return RunResult(Path(label), label, "PACS", ("sketch",), 0, {}, records, summary)
+
+
+def test_the_mechanism_table_combines_each_rows_runs_and_shows_only_columns_some_row_has():
+    """Catches the table summing what it should average (HFedATM's identity fraction: runs of
+    0.6 and 0.1 give 35%), averaging the worst merge share (runs of 5% and 10%: 10.0%) or the
+    rejected updates (1 + 2 = 3), and a column for a mechanism no row has (FISC's, FedFD's)."""
+    merge_a = [{"identity_fraction": 0.5}, {"identity_fraction": 0.7}]
+    runs = [
+        _run("hfedatm", 1, merge_a, {"train": 9.0, "aggregate": 1.0, "server_merge": 0.5}),
+        _run("hfedatm", 2, [{"identity_fraction": 0.1}],
+             {"train": 3.0, "aggregate": 1.0, "server_merge": 0.4}),
+        _run("hfedavg", 0, []),
+    ]  # fmt: skip
+    _, _, header, _, *rows, _ = CAMPAIGN.mechanism_table(runs)
+    assert header == (
+        "| row | client updates rejected (non-finite) | HFedATM: filters matched to themselves"
+        " | server merge / round (train + aggregate), worst run |"
+    )
+    assert rows == ["| hfedatm | 3 | 35% | 10.0% |", "| hfedavg | 0 | — | — |"]

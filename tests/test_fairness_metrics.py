@@ -79,6 +79,21 @@ def test_the_summary_keeps_each_trailing_mean_its_run_is_long_enough_for(tmp_pat
     assert "loss_var_last9" not in trailing
 
 
+def test_the_summary_totals_every_phase_of_every_round_and_one_time_task(tmp_path):
+    """Catches the summary's phase totals (what a report of a run without its per-round log
+    reads, e.g. HFedATM's merge against its round) missing a round, the one-time statistics
+    task (FedFD's warm-up, round 0) or a phase only some rounds have (evaluate)."""
+    cfg = tiny_config(model={"name": "small_cnn"}, algorithm={"name": "fedfd", "warmup": True},
+                      rounds=3, eval={"every": 2})  # fmt: skip
+    run_sim(cfg, tmp_path)
+    rounds = rounds_of(tmp_path)
+    assert rounds[0]["task"] == "collect" and len(rounds) == 4
+    totals = json.loads((tmp_path / "summary.json").read_text())["phase_seconds"]
+    assert set(totals) == {"train", "aggregate", "evaluate"}
+    for phase, total in totals.items():
+        assert total == pytest.approx(sum(r["time"][phase] for r in rounds), abs=2e-3)
+
+
 @pytest.fixture
 def runs_root(tmp_path: Path) -> Path:
     return write_runs(tmp_path / "runs")

@@ -743,6 +743,7 @@ class Simulation:
         trailing = trailing_means(self.round_log)
         if trailing:
             out["trailing"] = trailing
+        out["phase_seconds"] = phase_seconds(self.round_log)
         server = self.server.run_summary()
         if server:
             out["server"] = server
@@ -838,6 +839,17 @@ def _then_seed(replies: Iterator[tuple[int, Message]], seed: int) -> Iterator[tu
     server's randomness does not depend on how many clients trained before it."""
     yield from replies
     torch.manual_seed(seed)
+
+
+def phase_seconds(round_log: list[dict[str, Any]]) -> dict[str, float]:
+    """Each phase's seconds (``time`` of every round and one-time task: train, aggregate,
+    evaluate and a method's own parts, such as HFedATM's ``server_merge``) summed over the run,
+    kept in the summary because the campaign commits no per-round log."""
+    totals: dict[str, float] = {}
+    for record in round_log:
+        for phase, seconds in record.get("time", {}).items():
+            totals[phase] = totals.get(phase, 0.0) + seconds
+    return {phase: round(seconds, 3) for phase, seconds in totals.items()}
 
 
 def _summarise_eval(
