@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from math import nan
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +72,19 @@ def probe(config: Path, overrides: list[str], target: str, out: Path) -> dict[st
     in_rounds = sum(t["train"] + t["aggregate"] + t["evaluate"] for t in times)
     first_extra = max(0.0, times[0]["train"] + times[0]["aggregate"] - train)
     cost = {"train_s": train, "eval_s": evaluate, "fixed_s": wall - in_rounds + first_extra}
-    return {**cost, **learned(out, done.stderr)}
+    return {**cost, **learned(out)}
 
 
-def learned(out: Path, log: str) -> dict[str, Any]:
-    """Source validation and ood accuracy at the probe's last evaluation, the client updates
-    the server rejected over its rounds (non-finite: the run's log names each), and the
-    method's scalar diagnostics there."""
+def learned(out: Path) -> dict[str, Any]:
+    """Source validation and ood accuracy at the probe's last evaluation (nan where clients
+    hold no validation data), the client updates the server rejected over its rounds
+    (non-finite), and the method's scalar diagnostics there."""
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((out / "summary.json").read_text())
     return {
-        "id_acc": round(100 * last["id_acc"], 1),
+        "id_acc": round(100 * (last["id_acc"] if last["id_acc"] is not None else nan), 1),
         "ood_acc": round(100 * last["ood_acc"], 1),
-        "rejected": log.count("update rejected"),
+        "rejected": len(summary["rejected_updates"]),
         "diagnostics": " ".join(
             f"{k}={v:.3g}" for k, v in _scalars(last.get("diagnostics", {})).items()
         ),

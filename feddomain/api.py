@@ -251,6 +251,7 @@ def _run_splits(
     import torch
 
     from feddomain.data.federated import federations
+    from feddomain.federation import checkpoint
     from feddomain.federation.simulation import Simulation
     from feddomain.tracking import open_tracker
 
@@ -259,7 +260,11 @@ def _run_splits(
     torch.set_num_threads(cfg.torch_threads)
     feds = federations(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    _write_config(out, cfg, resume=resume)
+    split_dirs = [out if len(feds) == 1 else out / fed.split.name for fed in feds]
+    if not resume or any(not (d / "summary.json").exists() for d in split_dirs):
+        begun = any((d / name).exists() for d in split_dirs
+                    for name in ("summary.json", checkpoint.FILENAME))  # fmt: skip
+        _write_config(out, cfg, continues=resume and begun)
     run_dirs = []
     for fed in feds:
         split = fed.split
@@ -272,7 +277,8 @@ def _run_splits(
             raise FeddomainError(f"{run_dir} already holds a finished run")
         run_dir.mkdir(parents=True, exist_ok=True)
         if run_dir != out:
-            _write_config(run_dir, cfg, resume=resume)
+            begun = (run_dir / checkpoint.FILENAME).exists()
+            _write_config(run_dir, cfg, continues=resume and begun)
         label = f"{cfg.algorithm.label or cfg.algorithm.name} {split.name}"
         run_name = f"{name}/{split.name}" if name and len(feds) > 1 else name
         tracker = open_tracker(cfg, run_name or _default_run_name(cfg, split.name), run_dir)
@@ -343,10 +349,10 @@ def _undo_start(out: Path, existed: bool) -> None:
             child.unlink(missing_ok=True)
 
 
-def _write_config(run_dir: Path, cfg: ExperimentConfig, *, resume: bool = False) -> None:
-    """The resolved config (re-loadable as is) and the provenance of the code that ran it. A
-    resumed run keeps the provenance of its start and lists each resumption's under
-    ``resumed`` (a finished run, which a resume leaves alone, gets no entry)."""
+def _write_config(run_dir: Path, cfg: ExperimentConfig, *, continues: bool = False) -> None:
+    """The resolved config (re-loadable as is) and the provenance of the code that ran it.
+    Code that ``continues`` a run from its checkpoint keeps the provenance of the run's start
+    and adds its own under ``resumed``; a run restarted from round 1 gets the new one only."""
     import torch
 
     from feddomain.federation.device import describe as describe_device
@@ -363,9 +369,7 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig, *, resume: bool = False)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep's GPU pinning
     }
     path = run_dir / "provenance.yaml"
-    if resume and path.is_file():
-        if (run_dir / "summary.json").is_file():
-            return
+    if continues and path.is_file():
         first = yaml.safe_load(path.read_text()) or {}
         provenance = {**first, "resumed": [*first.get("resumed", []), provenance]}
     _write_atomic(path, yaml.safe_dump(provenance, sort_keys=False))

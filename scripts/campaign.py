@@ -443,7 +443,8 @@ def variant_plan(profiles: list[str], labels: list[str] | None) -> list[tuple[st
 
 def variant_overrides(out: Path, profile: str, label: str) -> list[str] | None:
     """The overrides of variant ``label``: its base's tune overrides and selected values, then
-    its own; None while the base has no selection yet."""
+    its own and those it borrows (``BORROWED``); None while the base, or the method it borrows
+    from, has no selection yet."""
     from feddomain.tune import read_selected
 
     base, extra = VARIANTS[profile][label]
@@ -590,7 +591,8 @@ MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...
     ("client updates rejected (non-finite)",
      lambda run: float(len(run.summary.get("rejected_updates", []))), "sum", "{:.0f}"),
     ("spread of the clients' models on the unseen domain (std, points)",
-     lambda run: _points(run.selected.get("client_ood_std")), "mean", "{:.2f}"),
+     lambda run: _points(run.selected.get("client_ood_std"))
+     if run.selected.get("distinct_models", 1) > 1 else None, "mean", "{:.2f}"),
     ("FISC: share of clients barely restyled (shift < 0.25)",
      lambda run: run.summary.get("server", {}).get("barely_restyled_share"), "mean", "{:.0%}"),
     ("HFedATM: filters matched to themselves",
@@ -605,9 +607,9 @@ MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...
      lambda run: run.selected.get("diagnostics", {}).get("loss_terms", {}).get("cafl_over_ce"),
      "mean", "{:.3g}"),
 )  # fmt: skip
-COMBINE: dict[str, Callable[[list[float]], float]] = {
-    "sum": sum, "mean": lambda v: sum(v) / len(v), "max": max,
-}
+COMBINE: dict[str, Callable[[list[float]], float | None]] = {
+    "sum": sum, "mean": _mean, "max": max,
+}  # fmt: skip
 
 
 def mechanism_table(runs: list[RunResult]) -> list[str]:

@@ -95,8 +95,9 @@ def test_a_resumed_run_keeps_the_provenance_of_its_start_and_lists_each_resumpti
     tmp_path: Path,
 ) -> None:
     """Catches a resume overwriting the provenance of the code that ran a run's first rounds
-    (its commit and start time) with the resuming code's, and a no-op resume of a finished run
-    recorded as a resumption."""
+    (its commit and start time) with the resuming code's, a no-op resume of a finished run
+    (one split or several) recorded as a resumption, and a run restarted from round 1 (no
+    checkpoint) still credited to the code of its first start."""
     cfg = feddomain.load_config(DEMO, *CHEAP)
     feddomain.run(cfg, out=tmp_path / "r", quiet=True)
     path = tmp_path / "r" / "provenance.yaml"
@@ -111,6 +112,15 @@ def test_a_resumed_run_keeps_the_provenance_of_its_start_and_lists_each_resumpti
     assert resumed["git_commit"] != "0" * 40 and resumed["started"] >= first["started"]
     feddomain.run(out=tmp_path / "r", resume=True, quiet=True)  # finished: nothing resumed
     assert yaml.safe_load(path.read_text()) == after
+    (tmp_path / "r" / "summary.json").unlink()  # as if interrupted before any checkpoint:
+    (tmp_path / "r" / "final_checkpoint.pt").unlink()  # it restarts from round 1
+    feddomain.run(out=tmp_path / "r", resume=True, quiet=True)
+    assert "resumed" not in yaml.safe_load(path.read_text())
+    two = feddomain.load_config(DEMO, *CHEAP, "split.targets=[grey, inverted]")
+    feddomain.run(two, out=tmp_path / "two", quiet=True)
+    saved = {p: p.read_text() for p in (tmp_path / "two").rglob("provenance.yaml")}
+    feddomain.run(out=tmp_path / "two", resume=True, quiet=True)  # every split finished
+    assert len(saved) == 3 and all(p.read_text() == text for p, text in saved.items())
 
 
 def test_report_is_the_clis_report(

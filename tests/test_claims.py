@@ -145,7 +145,7 @@ def test_a_trailing_metric_is_the_mean_of_the_last_50_rounds_whatever_the_select
         (short / "rounds.jsonl").write_text("\n".join(lines))
     with pytest.raises(DataError, match=r"records no numeric 'client_loss_var_last50'"):
         build_report([tmp_path / "short"], claims_file=claims)
-    with pytest.raises(DataError, match=r"over the last 50 rounds, and this run has fewer"):
+    with pytest.raises(DataError, match=r"over the last 50 rounds; neither its summary"):
         build_report([tmp_path / "short"], extra_metrics=("client_loss_var_last50",))
     (short / "rounds.jsonl").write_text("{not json\n")  # read only when a metric needs it
     assert len(build_report([tmp_path / "short"]).runs) == 2

@@ -18,8 +18,15 @@ import torchvision
 
 from feddomain.algorithms.base import ClientContext
 from feddomain.algorithms.fedavg import FedAvgHparams, FedAvgServer
-from feddomain.algorithms.fedfd import FedFDHparams, fedfd_loss
+from feddomain.algorithms.fedfd import (
+    FedFDClient,
+    FedFDHparams,
+    FedFDServer,
+    fedfd_loss,
+    frozen_statistics,
+)
 from feddomain.algorithms.fedfd_a import FedFDAClient, FedFDAHparams, adapter_loss
+from feddomain.algorithms.layout import LayoutClient, LayoutServer
 from feddomain.config import load_config
 from feddomain.errors import ConfigError
 from feddomain.federation.data import ClientData
@@ -272,22 +279,52 @@ def test_fedfd_scores_the_unseen_domain_with_the_global_statistics_and_training_
     assert _records(tmp_path / "tbn")[-1]["ood_nll"] != record["ood_nll"]  # its mode is used
 
 
-@pytest.mark.parametrize(("test_mode", "scorings"), [("global", 1), ("random", 1), ("local", 3)])
+@pytest.mark.parametrize(
+    ("method", "test_mode", "scorings"),
+    [("fedfd", "global", 1), ("fedfd", "instance", 1), ("fedfd_a", "adapter", 1),
+     ("fedfd", "random", 1), ("fedfd", "local", 3)],
+)  # fmt: skip
 def test_the_target_is_scored_once_unless_the_test_mode_reads_each_clients_statistics(
-    test_mode, scorings, tmp_path
+    method, test_mode, scorings, tmp_path, monkeypatch
 ):
     """Catches every client scoring the target domains with its own running statistics loaded
     when the test mode never reads them (once per client instead of once: ten times the
-    evaluation on digits3-bn), and ``local`` (SiloBN's) losing its per-client models: the
-    held-out domains are scored once, or once per client (3 here), per evaluation."""
-    cfg = fd_config("fedfd", rounds=1, algorithm={"test_mode": test_mode})
-    sim = Simulation(cfg, uneven_federation(cfg), tmp_path)
-    calls = []
-    score_held_out = sim.score_held_out
-    sim.score_held_out = lambda: calls.append(1) or score_held_out()
-    sim.run()
-    assert len(calls) == scorings * len(_records(tmp_path))
+    evaluation on digits3-bn), ``local`` (SiloBN's) losing its per-client models, and the
+    shortcut changing a number: every deterministic mode logs what the per-client evaluation
+    (each client's own statistics, the server's mean of them for the unseen domain) logs."""
+
+    def run(out):
+        cfg = fd_config(method, rounds=1, algorithm={"test_mode": test_mode})
+        out.mkdir()
+        sim = Simulation(cfg, uneven_federation(cfg), out)
+        calls = []
+        score_held_out = sim.score_held_out
+        sim.score_held_out = lambda: calls.append(1) or score_held_out()
+        sim.run()
+        return sim, calls, _records(out)[-1]
+
+    sim, calls, record = run(tmp_path / "once")
+    assert len(calls) == scorings
     assert (sim.server.eval_arrays(None) is None) == (test_mode != "local")
+    if test_mode == "random":
+        return  # one draw of the mixing weights now, one per client before: not comparable
+    monkeypatch.setattr(FedFDClient, "eval_arrays", LayoutClient.eval_arrays)
+    monkeypatch.setattr(FedFDServer, "eval_arrays", LayoutServer.eval_arrays)
+    _, per_client_calls, per_client = run(tmp_path / "per_client")
+    assert len(per_client_calls) == 3
+    for key in ("id_acc", "ood_acc", "per_domain", "ood_nll", "ood_ece"):  # up to the mean
+        assert record[key] == pytest.approx(per_client[key], rel=1e-12), key  # of equal values
+    for key, values in per_client["per_client"].items():
+        assert record["per_client"][key] == pytest.approx(values, rel=1e-12), key
+
+
+def test_a_batchnorm_layer_fedfd_does_not_convert_is_refused():
+    """Catches a model with a BatchNorm1d accepted: FedFD leaves it as it is, so every test
+    mode would read its running statistics, which clients keep local."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.Flatten(), torch.nn.BatchNorm1d(4))  # fmt: skip
+    assert "other BatchNorm layers (3)" in frozen_statistics(model, FedFDHparams())
+    assert frozen_statistics(model[:2], FedFDHparams()) is None
 
 
 def test_fedfd_a_scores_the_same_with_evaluation_batches_of_1_and_512(tmp_path):

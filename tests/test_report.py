@@ -513,8 +513,10 @@ def test_an_optional_metric_a_run_lacks_is_named_with_its_file(runs_root: Path):
 
 def test_time_per_round_is_averaged_over_rounds_then_runs(runs_root: Path):
     """Catches: the time table summing instead of averaging, a phase one run lacks dropped from
-    its mean (it counts as 0 s there), and a server part listed before the round's phases.
-    fedavg/photo seed 0: train (2 + 4) / 2 = 3, server_merge (0.5 + 0) / 2; seed 1: train 5."""
+    its mean (it counts as 0 s there), a server part listed before the round's phases, and a
+    run without rounds.jsonl ignored though its summary keeps its phase totals (the campaign's)
+    or counted as 0 s when it has neither. fedavg/photo seed 0: train (2 + 4) / 2 = 3,
+    server_merge (0.5 + 0) / 2; seed 1: train 5."""
     rounds = {
         "fedavg_photo_s0": [{"train": 2.0, "aggregate": 0.2, "server_merge": 0.5},
                             {"train": 4.0, "aggregate": 0.4}],
@@ -523,12 +525,17 @@ def test_time_per_round_is_averaged_over_rounds_then_runs(runs_root: Path):
     for run, times in rounds.items():
         lines = [json.dumps({"round": r + 1, "time": t}) for r, t in enumerate(times)]
         (runs_root / run / "rounds.jsonl").write_text("\n".join(lines) + "\n")
+    summary_path = runs_root / "hfedf_photo_s0" / "summary.json"
+    summary = json.loads(summary_path.read_text())  # no rounds.jsonl: the summary's totals
+    summary |= {"rounds": 10, "phase_seconds": {"train": 20.0, "aggregate": 2.0}}
+    summary_path.write_text(json.dumps(summary))
     md = build_report([runs_root]).to_markdown()
     timing = table(md, "## pacs — time per round (s, mean over rounds and runs)")
     assert timing["method"] == ["train", "aggregate", "server_merge"]
     # fedavg: train mean(3, 5) = 4; aggregate mean(0.3, 0.3) = 0.3; merge mean(0.25, 0) = 0.125
     assert timing["fedavg"] == ["4", "0.3", "0.125"]
-    assert "hfedf" not in timing  # no rounds.jsonl: no row
+    # hfedf: 20 s and 2 s over 10 rounds, its other runs (neither log nor totals) left out
+    assert timing["hfedf"] == ["2", "0.2", "0"]
 
 
 def test_accuracies_below_chance_are_marked_with_the_chance_level(tmp_path):

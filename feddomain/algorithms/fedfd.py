@@ -55,6 +55,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
 from feddomain.algorithms.base import (
+    ClientAlgorithm,
     ClientContext,
     Hparams,
     MethodSpec,
@@ -91,6 +92,7 @@ from feddomain.models.fedfd_bn import (
 
 Arrays = dict[str, torch.Tensor]
 GLOBAL_STATISTICS = {"global_mean": "running_mean", "global_var": "running_var"}
+OTHER_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm3d, nn.SyncBatchNorm)  # left as they are
 
 
 class FedFDHparams(Hparams):
@@ -148,6 +150,12 @@ def evaluation_mode(hp: Hparams) -> BNMode:
     """The layers' eval mode for ``hp.test_mode`` (``random``: one a per layer and sample)."""
     kind = "batch" if hp.test_mode == "local" else hp.test_mode
     return BNMode(kind, alpha=hp.test_alpha, per_sample=True)
+
+
+def reads_running_statistics(hp: Hparams) -> bool:
+    """Whether evaluation reads the layers' running statistics (a client's local arrays):
+    only eval mode ``batch`` does (``test_mode: local``)."""
+    return evaluation_mode(hp).kind == "batch"
 
 
 def prepare_model(model: nn.Module, hp: Hparams, adapter_reduction: int | None) -> nn.Module:
@@ -243,7 +251,7 @@ class FedFDServer(LayoutServer):
     def eval_arrays(self, cid: int | None) -> Arrays | None:
         """SiloBN's unseen-domain model (the mean running statistics) under ``test_mode:
         local``; in any other mode the clients' one shared model is it (``FedFDClient``)."""
-        if cid is None and self.hp.test_mode != "local":
+        if cid is None and not reads_running_statistics(self.hp):
             return None
         return super().eval_arrays(cid)
 
@@ -322,10 +330,11 @@ class FedFDClient(LayoutClient):
         """The offer with this client's running statistics under ``test_mode: local``, the
         only mode that reads them. Any other mode predicts the same from the offer alone, so
         every client returns the offer itself: one shared model, whose target domains are
-        scored once per evaluation instead of once per client."""
-        if self.hp.test_mode == "local":
+        scored once per evaluation instead of once per client (``random``: one draw of the
+        mixing weights, not one per client)."""
+        if reads_running_statistics(self.hp):
             return super().eval_arrays(arrays, ctx)
-        return super(LayoutClient, self).eval_arrays(arrays, ctx)
+        return ClientAlgorithm.eval_arrays(self, arrays, ctx)
 
     def uploads(self, n_clients: int) -> Uploads:
         """The trained shared arrays and the running statistics (per-channel means and
@@ -343,12 +352,21 @@ class FedFDStation(LayoutStation):
 
 
 def frozen_statistics(model: nn.Module, hp: Hparams) -> str | None:
-    """Why FedFD cannot train ``model`` (no BatchNorm statistics, or frozen ones), or None."""
+    """Why FedFD cannot train ``model`` (no BatchNorm statistics, frozen ones, or a BatchNorm
+    layer it does not convert, whose running statistics every test mode would read), or
+    None."""
     problem = needs_batchnorm_statistics(model, hp)
     if problem is None and getattr(model, "freeze_bn_stats", False):
         return (
             "estimates each client's BatchNorm statistics, and this model freezes them "
             "(model.options.freeze_bn_stats: set it false)"
+        )
+    unconverted = [name for name, module in model.named_modules()
+                   if isinstance(module, OTHER_BATCHNORMS)]  # fmt: skip
+    if problem is None and unconverted:
+        return (
+            "mixes the statistics of BatchNorm2d layers only, and this model has other "
+            f"BatchNorm layers ({', '.join(unconverted)})"
         )
     return problem
 

@@ -65,8 +65,6 @@ NESTED_METRICS = {
     "grad_cos_pairwise": ("diagnostics", "cos_pairwise_mean"),
     "embedding_l2": ("diagnostics", "embedding_l2_mean"),
 }
-# run-level metrics: a per-round value (rounds.jsonl) averaged over the run's last rounds, the
-# same whichever round the selection picks: name -> (per-round key, rounds)
 METRIC_TITLES = {
     "ood_acc": "ood accuracy (%)",
     "id_acc": "id accuracy (%)",
@@ -345,15 +343,24 @@ class Report:
     def _timing(self, dataset: str) -> list[str]:
         """Wall-clock seconds per round by phase (``rounds.jsonl``), mean over rounds and then
         over the method's runs; ``server_*`` are parts a server reports of its own step
-        (HFedATM: ``server_merge`` and its parts), inside ``aggregate``."""
+        (HFedATM: ``server_merge`` and its parts), inside ``aggregate``. A run without its
+        per-round log (the campaign commits none) counts by its summary's phase totals over
+        its rounds (a one-time task's seconds, such as a statistics pass, spread over them)."""
         by_row: dict[str, list[dict[str, float]]] = {}
         for run in self.runs:
             path = run.path / "rounds.jsonl"
-            if run.dataset != dataset or not path.is_file():
+            totals = run.summary.get("phase_seconds")
+            if run.dataset != dataset:
                 continue
-            records = [r["time"] for r in read_metrics(path) if isinstance(r.get("time"), dict)]
-            phases = {k for t in records for k in t}
-            means = {k: float(np.mean([t.get(k, 0.0) for t in records])) for k in phases}
+            if path.is_file():
+                records = [r["time"] for r in read_metrics(path)
+                           if isinstance(r.get("time"), dict)]  # fmt: skip
+                phases = {k for t in records for k in t}
+                means = {k: float(np.mean([t.get(k, 0.0) for t in records])) for k in phases}
+            elif isinstance(totals, dict) and run.summary.get("rounds"):
+                means = {k: v / run.summary["rounds"] for k, v in totals.items()}
+            else:
+                continue
             by_row.setdefault(run.algorithm, []).append(means)
         if not by_row:
             return []
@@ -557,8 +564,9 @@ def load_run(
         if metric in TRAILING_METRICS and value is None:
             key, window = TRAILING_METRICS[metric]
             raise DataError(
-                f"{run_dir / 'rounds.jsonl'}: {metric!r} is the mean of {key!r} over the last "
-                f"{window} rounds, and this run has fewer rounds with it"
+                f"{run_dir}: {metric!r} is the mean of {key!r} over the last {window} rounds; "
+                "neither its summary.json ('trailing') nor its rounds.jsonl (absent, or fewer "
+                "rounds with it) has it"
             )
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise DataError(
