@@ -9,9 +9,12 @@ interrupted run resumes from its checkpoint. The output folder keeps, committed,
 sessions resume from and the tables are built from (the studies, selections and every run's
 summary and config); checkpoints and per-round logs stay out of git (its ``.gitignore``).
 
-The order is the cost order (docs/performance.md, "The reproduction campaign's cost"): the
-frozen-feature profile first, its cheap methods before FedSAM, FPL and FedSR; the first 13 tunes
-fit about 12 hours of a 2-core machine, the whole plan takes several hundred core-hours.
+The order puts the most claims per core-hour first (docs/performance.md, "The reproduction
+campaign's cost"): the frozen-feature profile (its cheap methods before FedSAM, FPL and FedSR),
+then `digits3-bn` at both lambdas (about 30 core-hours and 20 claims each), the stations
+profiles (about 25 and 7 claims each), hFedF's own CNN regime, and the Lite0 tail last (a GPU's
+work). The first 13 tunes fit about 12 hours of a 2-core machine; the whole plan takes several
+hundred core-hours.
 
     python scripts/campaign.py --data ~/data                       # everything, in order
     python scripts/campaign.py --data ~/data --profiles pacs-effnet-frozen --methods fedavg fedvr
@@ -43,20 +46,8 @@ SEEDS = (0, 1, 2)
 # profile -> (config, overrides every method of it shares)
 PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pacs-effnet-frozen": ("configs/protocols/pacs-effnet-frozen.yaml", ()),
-    "pacs-hfedf-cnn": ("configs/protocols/pacs-hfedf-cnn.yaml", ()),
-    "digits3-bn-lam1.0": ("configs/protocols/digits3-bn.yaml", ("partition.lam=1.0",)),
     "digits3-bn-lam0.1": ("configs/protocols/digits3-bn.yaml", ("partition.lam=0.1",)),
-    "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", ()),
-    # FISC's own federation (its paper): 100 lambda clients, 20% sampled each round
-    "pacs-effnet-tail-lam0.1": (
-        "configs/protocols/pacs-effnet-tail.yaml",
-        (
-            "partition.name=lambda",
-            "partition.n_clients=100",
-            "partition.lam=0.1",
-            "topology.sample_fraction=0.2",
-        ),
-    ),
+    "digits3-bn-lam1.0": ("configs/protocols/digits3-bn.yaml", ("partition.lam=1.0",)),
     # HFedATM's hierarchy on the frozen profile: 12 lambda clients in 3 stations, 2 station
     # rounds per global round (100 global rounds: the profile's 200 rounds of local work)
     **{
@@ -73,6 +64,18 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
         )
         for lam in ("1.0", "0.1")
     },
+    "pacs-hfedf-cnn": ("configs/protocols/pacs-hfedf-cnn.yaml", ()),
+    "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", ()),
+    # FISC's own federation (its paper): 100 lambda clients, 20% sampled each round
+    "pacs-effnet-tail-lam0.1": (
+        "configs/protocols/pacs-effnet-tail.yaml",
+        (
+            "partition.name=lambda",
+            "partition.n_clients=100",
+            "partition.lam=0.1",
+            "topology.sample_fraction=0.2",
+        ),
+    ),
 }
 
 # profile -> {label: (method, overrides its protocol needs)}: the claims of issue 26, cheap
