@@ -400,6 +400,12 @@ WHY: dict[tuple[str, str], str] = {
     ("pacs-effnet-frozen", "fedvr > fedvr_no_var"): "the regulariser has no loss gap to act on "
     "(the clients' losses ~0.003 after round 150, the row below)",
 }
+# profiles whose claims wait for a GPU (on one, `--profiles` runs them: device auto), with what
+# they cost on the 2-core CPU machine (docs/performance.md)
+GPU_WORK = dict.fromkeys(
+    ("pacs-effnet-tail", "pacs-effnet-tail-lam0.1"),
+    "a GPU (the two tail federations: about 300 core-hours on this CPU)",
+)
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
     ("hFedF, FedVR, FedFD: Office-Home and VLCS tables; FISC: Office-Home, IWildCam",
@@ -528,6 +534,8 @@ def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
             continue
         waiting = [progress.get(label, "not started") for label in (spec.first, spec.second)
                    if label not in done]  # fmt: skip
+        if profile in GPU_WORK and not progress:
+            waiting = [GPU_WORK[profile]]
         rows.append(f"{claim} waits: {'; '.join(waiting)} | | | |")
     return rows, section
 
