@@ -604,6 +604,10 @@ MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...
     ("spread of the clients' models on the unseen domain (std, points)",
      lambda run: _points(run.selected.get("client_ood_std"))
      if run.selected.get("distinct_models", 1) > 1 else None, "mean", "{:.2f}"),
+    ("FedVR: rounds whose weights alpha differ (max/min > 1.05)",
+     lambda run: run.summary.get("server", {}).get("alpha_active_share"), "mean", "{:.0%}"),
+    ("FedVR: rounds one client holds over half of alpha",
+     lambda run: run.summary.get("server", {}).get("alpha_dominated_share"), "mean", "{:.0%}"),
     ("FISC: share of clients barely restyled (shift < 0.25)",
      lambda run: run.summary.get("server", {}).get("barely_restyled_share"), "mean", "{:.0%}"),
     ("HFedATM: filters matched to themselves",
