@@ -76,9 +76,9 @@ def resume(out: Path) -> None:
 
 
 def summary_of(run_dir: Path) -> dict[str, Any]:
-    """summary.json without the wall time (which a resumed run cannot share)."""
+    """summary.json without the wall time and its phases (which a resumed run cannot share)."""
     s = json.loads((run_dir / "summary.json").read_text())
-    s.pop("wall_time_s")
+    s.pop("wall_time_s"), s.pop("phase_seconds")
     return s
 
 

@@ -70,7 +70,7 @@ def _cli(*args: str) -> subprocess.Popen:
 
 def _summary(run_dir: Path) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
-    s.pop("wall_time_s")
+    s.pop("wall_time_s"), s.pop("phase_seconds")
     return s
 
 
