@@ -1,9 +1,9 @@
 """feddomain: federated domain generalization — faithful methods, fast CPU simulation, Flower.
 
-The Python API (README, "Python API"): ``load_config``, ``run``, ``sweep``, ``report``, with
-the result types ``ExperimentResult``, ``FinishedRun``, ``SweepResult``; ``register`` and
-``MethodSpec`` for methods of one's own (docs/plugins.md). Each name is imported on first use,
-so ``import feddomain`` (and ``feddomain --version``) stays cheap.
+The Python API (README, "Python API"): ``load_config``, ``run``, ``rescore``, ``sweep``,
+``report``, with the result types ``ExperimentResult``, ``FinishedRun``, ``SweepResult``;
+``register`` and ``MethodSpec`` for methods of one's own (docs/plugins.md). Each name is
+imported on first use, so ``import feddomain`` (and ``feddomain --version``) stays cheap.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _API: dict[str, tuple[str, str]] = {
     "load_config": ("feddomain.api", "load_config"),
     "run": ("feddomain.api", "run"),
+    "rescore": ("feddomain.api", "rescore"),
     "sweep": ("feddomain.api", "sweep"),
     "report": ("feddomain.api", "report"),
     "ExperimentResult": ("feddomain.api", "ExperimentResult"),
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
     from feddomain.api import SweepResult as SweepResult
     from feddomain.api import load_config as load_config
     from feddomain.api import report as report
+    from feddomain.api import rescore as rescore
     from feddomain.api import run as run
     from feddomain.api import sweep as sweep
     from feddomain.config import ExperimentConfig as ExperimentConfig

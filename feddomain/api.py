@@ -205,6 +205,62 @@ def run(
     return ExperimentResult(out, [FinishedRun.load(d) for d in run_dirs])
 
 
+def rescore(source: PathLike, out: PathLike, *overrides: str) -> ExperimentResult:
+    """Score the finished run ``source`` (one split, or one directory per split) again into the
+    new directory ``out``, from the states it kept (``checkpoint.keep_evaluated``), under
+    ``overrides`` that act only at evaluation (FedFD's test_mode, hFedF's ood_model, FedSR's
+    eval_z, eval.selection; ``feddomain.rescore``): the run training with them would write,
+    without the training."""
+    from feddomain.rescore import rescored_config
+
+    source, out = Path(source), Path(out)
+    cfg = rescored_config(source, overrides)
+    if out.exists() and any(out.iterdir()):
+        raise FeddomainError(f"output directory {out} already holds files; choose a new --out")
+    existed = out.exists()
+    try:
+        run_dirs = _rescore_splits(cfg, source, out)
+    except FeddomainError:
+        _undo_start(out, existed)
+        raise
+    return ExperimentResult(out, [FinishedRun.load(d) for d in run_dirs])
+
+
+def _rescore_splits(cfg: ExperimentConfig, source: Path, out: Path) -> list[Path]:
+    """Each split of ``source`` rescored into ``out``'s matching directory; every source is
+    checked before anything is written."""
+    import torch
+
+    from feddomain.data.federated import federations
+    from feddomain.federation.simulation import Simulation
+    from feddomain.rescore import check_source
+
+    torch.set_num_threads(cfg.torch_threads)
+    feds = federations(cfg)
+    one = len(feds) == 1
+    runs = [
+        (fed, source if one else source / fed.split.name, out if one else out / fed.split.name)
+        for fed in feds
+    ]
+    for _, run_source, _ in runs:
+        check_source(run_source)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_config(out, cfg, rescored_from=source)
+    for fed, run_source, run_dir in runs:
+        if run_dir != out:
+            run_dir.mkdir()
+            _write_config(run_dir, cfg, rescored_from=run_source)
+        summary = Simulation(cfg, fed, run_dir).rescore(run_source)
+        label = f"{cfg.algorithm.label or cfg.algorithm.name} {fed.split.name}"
+        print(
+            f"{label}: {_scores(summary)}  ({summary['selection']}, round "
+            f"{summary['selected_round']})  {summary['wall_time_s']:.1f}s, rescored from "
+            f"{run_source}  -> {run_dir}",
+            flush=True,
+        )
+    return [run_dir for _, _, run_dir in runs]
+
+
 def _resumed_config(out: Path, wanted: ExperimentConfig | None) -> ExperimentConfig:
     """The config saved in ``out``, or ``wanted``, which may differ from it only by a larger
     ``rounds`` (extending a finished run: ``feddomain.resume``)."""
@@ -349,10 +405,17 @@ def _undo_start(out: Path, existed: bool) -> None:
             child.unlink(missing_ok=True)
 
 
-def _write_config(run_dir: Path, cfg: ExperimentConfig, *, continues: bool = False) -> None:
+def _write_config(
+    run_dir: Path,
+    cfg: ExperimentConfig,
+    *,
+    continues: bool = False,
+    rescored_from: Path | None = None,
+) -> None:
     """The resolved config (re-loadable as is) and the provenance of the code that ran it.
     Code that ``continues`` a run from its checkpoint keeps the provenance of the run's start
-    and adds its own under ``resumed``; a run restarted from round 1 gets the new one only."""
+    and adds its own under ``resumed``; a run restarted from round 1 gets the new one only. A
+    rescored run names the run whose states it scored (``rescored_from``)."""
     import torch
 
     from feddomain.federation.device import describe as describe_device
@@ -367,6 +430,7 @@ def _write_config(run_dir: Path, cfg: ExperimentConfig, *, continues: bool = Fal
         "seed": cfg.seed,
         "device": describe_device(cfg.device),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep's GPU pinning
+        **({"rescored_from": str(rescored_from)} if rescored_from is not None else {}),
     }
     path = run_dir / "provenance.yaml"
     if continues and path.is_file():

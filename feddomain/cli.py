@@ -167,6 +167,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
+    res = sub.add_parser(
+        "rescore",
+        help="score a finished run again under evaluation-only settings, without training",
+        description="Score a finished run again from the states it kept "
+        "(checkpoint.keep_evaluated=true) under settings that act only at evaluation: a "
+        "method's test-time mode or unseen-domain model (FedFD's test_mode, hFedF's ood_model, "
+        "FedSR's eval_z) or eval.selection. Any other change is refused by name.",
+    )
+    res.add_argument("source", type=Path, help="the finished run directory")
+    res.add_argument(
+        "overrides", nargs="*", help="evaluation-only overrides, e.g. algorithm.test_mode=fixed"
+    )
+    res.add_argument("--out", type=Path, required=True, help="new output directory")
+    res.set_defaults(func=cmd_rescore)
+
     rep = sub.add_parser("report", help="method x target table over run directories")
     rep.add_argument("dirs", type=Path, nargs="+", help="run directories (searched recursively)")
     rep.add_argument(
@@ -329,6 +344,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     cfg = None if config is None else load_config(config, overrides)
     out = args.resume if args.resume is not None else args.out
     api.run(cfg, out, resume=args.resume is not None, quiet=args.quiet)
+
+
+def cmd_rescore(args: argparse.Namespace) -> None:
+    api.rescore(args.source, args.out, *args.overrides)
 
 
 def dry_run(cfg: ExperimentConfig) -> None:

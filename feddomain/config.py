@@ -266,6 +266,10 @@ class CheckpointConfig(Section):
     keep_final: bool = True
     """Keep a finished run's last state (`final_checkpoint.pt`), so `feddomain run --resume DIR
     rounds=N` can extend it to N rounds; false deletes it (disk-bound sweeps)."""
+    keep_evaluated: bool = False
+    """Keep the state of every evaluated round (`evaluated/round_NNNNN.pt`), so `feddomain
+    rescore` can score the finished run again under settings that act only at evaluation
+    (FedFD's test_mode, hFedF's ood_model, FedSR's eval_z) without training it again."""
 
 
 class MlflowConfig(Section):
@@ -478,12 +482,23 @@ def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[st
     order: what a refused resume names instead of only saying that the settings differ."""
     flat_before, flat_after = _flatten(before), _flatten(after)
     missing = object()
-    lines = []
-    for key in sorted(flat_before.keys() | flat_after.keys()):
-        old, new = flat_before.get(key, missing), flat_after.get(key, missing)
-        if old != new:
-            lines.append(f"{key}: {_shown(old, missing)} vs {_shown(new, missing)}")
-    return lines
+    return [
+        f"{key}: {_shown(flat_before.get(key, missing), missing)} vs "
+        f"{_shown(flat_after.get(key, missing), missing)}"
+        for key in differing_keys(before, after)
+    ]
+
+
+def differing_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The dotted keys whose values differ between two resolved configs, in key order (a key
+    present in one only differs)."""
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    missing = object()
+    return [
+        key
+        for key in sorted(flat_before.keys() | flat_after.keys())
+        if flat_before.get(key, missing) != flat_after.get(key, missing)
+    ]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -198,8 +198,18 @@ def reuse_trial_runs(confirm: Sequence[SweepRun], trial: Sequence[SweepRun]) -> 
         run.out.parent.mkdir(parents=True, exist_ok=True)
         staging = run.out.with_name(f".{run.out.name}.copying")
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("*.pt"))  # checkpoints
+        shutil.copytree(source, staging, ignore=_checkpoints)
         staging.rename(run.out)
+
+
+def _checkpoints(folder: str, names: list[str]) -> list[str]:
+    """A finished run's checkpoints, which its copy leaves behind (a confirmation is neither
+    resumed nor extended), but not its evaluated states: what `feddomain rescore` reads."""
+    from feddomain.federation.checkpoint import EVALUATED  # late: `--help` need not load torch
+
+    if Path(folder).name == EVALUATED:
+        return []
+    return [name for name in names if name.endswith(".pt")]
 
 
 # ------------------------------------------------------------------------------ the space

@@ -87,6 +87,37 @@ def test_every_variant_changes_a_tuned_method_in_a_valid_way(profile, label, tmp
     assert {k: _dotted(cfg, k) for k in changed} == changed
 
 
+@pytest.mark.parametrize(("profile", "label"), VARIANTS, ids=[f"{p}/{m}" for p, m in VARIANTS])
+def test_a_rescored_variant_writes_the_config_its_sweep_would_train(profile, label, tmp_path):
+    """Catches a variant rescored from runs that keep no evaluated states (every FedFD
+    test-time variant is rescored, nothing else: hFedF's and FedVR's frozen-profile variants
+    were trained before), and a rescored run whose config is not the one the variant's sweep
+    plans (the sweep would refuse the directory, or the row would stand for other settings)."""
+    assert CAMPAIGN.rescored(profile, label) == label.startswith("fedfd_test_")
+    if not CAMPAIGN.rescored(profile, label):
+        return
+    from feddomain.rescore import rescored_config
+
+    base, extra = CAMPAIGN.VARIANTS[profile][label]
+    ((_, _, tuned),) = CAMPAIGN.plan([profile], [base])
+    profile_config = ROOT / CAMPAIGN.PROFILES[profile][0]
+    chosen = ["train.lr=0.0123", "algorithm.lambda_feature=2.5"]
+    base_run = load_config(profile_config, ["dataset.root=/data", *tuned, *chosen, "seed=1"])
+    assert base_run.checkpoint.keep_evaluated
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(base_run.to_dict()))
+    (tmp_path / profile / base).mkdir(parents=True)
+    (tmp_path / profile / base / "selected.yaml").write_text(
+        yaml.safe_dump({"selected": {"overrides": chosen}})
+    )
+    planned = load_config(
+        profile_config,
+        ["dataset.root=/data", *CAMPAIGN.variant_overrides(tmp_path, profile, label), "seed=1"],
+    )
+    rescored = rescored_config(tmp_path / "run", [*extra, f"algorithm.label={label}"])
+    assert rescored.to_dict() == planned.to_dict()
+
+
 def _dotted(cfg, key: str):
     """``cfg.train.lr`` for ``"train.lr"``."""
     for part in key.split("."):

@@ -18,7 +18,7 @@ from feddomain.algorithms.space import LogUniform
 from feddomain.config import load_config
 from feddomain.errors import ConfigError, FeddomainError
 from feddomain.evaluation.report import build_report
-from feddomain.sweep import plan, run_sweep
+from feddomain.sweep import SweepRun, plan, run_sweep
 from feddomain.tune import (
     Objective,
     Trial,
@@ -26,6 +26,7 @@ from feddomain.tune import (
     _check_settings,
     draw,
     rank,
+    reuse_trial_runs,
     search_space,
     trials_markdown,
     tune,
@@ -240,3 +241,18 @@ def test_the_confirmation_at_the_tunes_seed_is_the_selected_trial_not_a_retrain(
         assert copied["target_domains"] == [target]
         for key in ("selected_round", "id_acc", "ood_acc", "ood_ece", "per_client"):
             assert copied[key] == again[key]
+
+
+def test_a_reused_trial_run_keeps_its_evaluated_states_but_not_its_checkpoints(tmp_path):
+    """Catches the seed-0 confirmation copied without the evaluated states a rescored variant
+    reads (``checkpoint.keep_evaluated``: its rescore would fail and the variant train again),
+    or copied with the checkpoints nothing reads (hundreds of MB a run on hypernetworks)."""
+    trial, confirm = tmp_path / "trial", tmp_path / "confirm"
+    (trial / "evaluated").mkdir(parents=True)
+    kept = ("summary.json", "evaluated/round_00002.pt")
+    for name in (*kept, "final_checkpoint.pt", "server_state.pt"):
+        (trial / name).write_text(name)
+    config = {"seed": 0}
+    reuse_trial_runs([SweepRun("seed=0", confirm, config)], [SweepRun("000", trial, config)])
+    copied = sorted(p.relative_to(confirm).as_posix() for p in confirm.rglob("*.*"))
+    assert copied == sorted(kept)

@@ -441,7 +441,10 @@ class MethodSpec:
     ``image_only``: why the method needs images (or the BatchNorm statistics only image models
     have); it is refused on text datasets, naming that reason, when the config loads.
     ``uses_total_rounds``: its updates depend on the run's total rounds (FedDG-GA's decaying
-    step), so a finished run cannot be extended to more."""
+    step), so a finished run cannot be extended to more. ``evaluation_only``: hyper-parameters
+    that act only when a model is scored (a test-time mode, the unseen-domain model), never on
+    training, a pilot task or a round's record, so ``feddomain rescore`` may change them on a
+    finished run's kept states instead of training it again."""
 
     name: str
     server: type[ServerAlgorithm]
@@ -459,6 +462,7 @@ class MethodSpec:
     space: Space = field(default_factory=dict)
     image_only: str | None = None
     uses_total_rounds: bool = False  # its updates depend on `rounds`: a run is not extensible
+    evaluation_only: tuple[str, ...] = ()  # hparams a rescore may change (see above)
 
     def make_hparams(self, values: dict[str, Any]) -> Hparams:
         return self.hparams(**values)

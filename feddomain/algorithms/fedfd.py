@@ -137,6 +137,8 @@ class FedFDHparams(Hparams):
 
 # fedfda.md §4 fixes both loss weights at 1 (a CHOICE, no grid): x/10 .. x10 around it
 FEDFD_SPACE = {"lambda_feature": LogUniform(0.1, 10.0), "lambda_classifier": LogUniform(0.1, 10.0)}
+# which statistics a scored model's layers use: nothing training reads (`feddomain rescore`)
+TEST_TIME = ("test_mode", "test_alpha")
 
 
 def diversify_mode(hp: FedFDHparams) -> BNMode:
@@ -387,6 +389,7 @@ register(
         model_hook=fedfd_model,
         check_config=check("fedfd"),
         space=FEDFD_SPACE,
+        evaluation_only=TEST_TIME,
         image_only="diversifies BatchNorm statistics, which text models do not have",
     )
 )

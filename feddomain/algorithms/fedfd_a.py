@@ -37,6 +37,7 @@ from feddomain.algorithms.fedfd import (
     ADAPTER_TERMS,
     FEDFD_SPACE,
     TERMS,
+    TEST_TIME,
     FedFDClient,
     FedFDHparams,
     FedFDServer,
@@ -158,6 +159,7 @@ register(
         model_hook=fedfd_a_model,
         check_config=check("fedfd_a"),
         space={**FEDFD_SPACE, "adapter_lr_mult": LogUniform(1.0, 100.0)},  # fedfda.md §4 F6
+        evaluation_only=TEST_TIME,
         image_only="adapts BatchNorm statistics, which text models do not have",
     )
 )

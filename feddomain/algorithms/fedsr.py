@@ -261,5 +261,6 @@ register(
         model_hook=probabilistic_head,
         # L2R: hfedf.md Table 10 grid {1e-3, 1e-2, 1e-1}; CMI: x/10 .. x10 around 5e-4
         space={"alpha_l2r": LogUniform(1e-3, 1e-1), "alpha_cmi": LogUniform(5e-5, 5e-3)},
+        evaluation_only=("eval_z",),
     )
 )

@@ -784,5 +784,6 @@ for _name, _hparams, _description in _VARIANTS:
             check_config=check_config,
             image_only=AUTOENCODER if _hparams is AeEmbedHparams else None,
             space={**HFEDF_SPACE, **(EMA_SPACE if _hparams().ema else {})},
+            evaluation_only=("ood_model",),
         )
     )

@@ -14,6 +14,7 @@ from feddomain.errors import FeddomainError
 
 FILENAME = "checkpoint.pt"
 FINAL = "final_checkpoint.pt"  # a finished run's last state: what extends it to more rounds
+EVALUATED = "evaluated"  # folder of every evaluated round's state (checkpoint.keep_evaluated)
 
 
 def save(run_dir: Path, state: dict[str, Any]) -> None:
@@ -33,6 +34,17 @@ def write_atomic(path: Path, state: Any) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def save_evaluated(run_dir: Path, rnd: int, state: dict[str, Any]) -> None:
+    """Keep the state round ``rnd`` was evaluated in (what ``feddomain rescore`` scores)."""
+    (run_dir / EVALUATED).mkdir(exist_ok=True)
+    write_atomic(evaluated_path(run_dir, rnd), state)
+
+
+def evaluated_path(run_dir: Path, rnd: int) -> Path:
+    """Where a run keeps the state its round ``rnd`` was evaluated in."""
+    return run_dir / EVALUATED / f"round_{rnd:05d}.pt"
 
 
 def load(run_dir: Path) -> dict[str, Any] | None:

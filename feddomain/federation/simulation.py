@@ -32,7 +32,7 @@ from feddomain.algorithms.base import (
 )
 from feddomain.config import ExperimentConfig
 from feddomain.data.federated import FederatedData
-from feddomain.errors import DIVERGED_RECORD, ConfigError, DivergedError
+from feddomain.errors import DIVERGED_RECORD, ConfigError, DivergedError, FeddomainError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
 from feddomain.evaluation.selection import select
 from feddomain.evaluation.trailing import trailing_means
@@ -45,6 +45,7 @@ from feddomain.federation.privacy import Ledger, Links, UploadCheck, non_finite_
 from feddomain.federation.topology import (
     CLIENT_PRE_ROUND,
     CLIENT_TRAIN,
+    EVALUATION,
     INIT,
     PILOT_CID,
     PILOT_TASK,
@@ -198,19 +199,13 @@ class Simulation:
             if scheduled or last:
                 t0 = time.perf_counter()
                 self._pilot(rnd)
-                try:
-                    scores = self.evaluate()
-                except DivergedError as err:
-                    self._diverged_at(rnd, err)
+                if self.cfg.checkpoint.keep_evaluated:
+                    checkpoint.save_evaluated(self.out, rnd, self._training_state(rnd))
+                evaluated = self._evaluated(rnd, record, t0)
+                if evaluated is None:
                     self._append_rounds()
                     break
-                record = {**record, **scores}
-                diagnostics = self.server.diagnostics()
-                if diagnostics:
-                    record["diagnostics"] = diagnostics
-                record["time"]["evaluate"] = time.perf_counter() - t0
-                self.records.append(record)
-                self._append_metrics(record)
+                record = evaluated
             self._append_rounds()
             if self.on_round:
                 self.on_round(record)
@@ -613,6 +608,66 @@ class Simulation:
         )
 
     # --------------------------------------------------------------- evaluation
+    def _evaluated(self, rnd: int, record: dict[str, Any], t0: float) -> dict[str, Any] | None:
+        """``record`` with round ``rnd``'s evaluation (scores, the server's diagnostics, the
+        time since ``t0``), appended to the records and metrics.jsonl; None when the model
+        diverged (the run stops). An evaluation draws from its own stream, seeded from (seed,
+        round) and restored after it (FedFD's random test-time mix draws), so training never
+        depends on what it drew and a rescore draws the same."""
+        try:
+            with torch.random.fork_rng(devices=self._cuda_devices()):
+                torch.manual_seed(derive_seed(self.cfg.seed, EVALUATION, rnd))
+                scores = self.evaluate()
+        except DivergedError as err:
+            self._diverged_at(rnd, err)
+            return None
+        record = {**record, **scores}
+        diagnostics = self.server.diagnostics()
+        if diagnostics:
+            record["diagnostics"] = diagnostics
+        record["time"]["evaluate"] = time.perf_counter() - t0
+        self.records.append(record)
+        self._append_metrics(record)
+        return record
+
+    def _cuda_devices(self) -> list[int]:
+        """The CUDA device whose generator an evaluation forks (none on the CPU)."""
+        if self.device.type != "cuda":
+            return []
+        return [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+
+    def rescore(self, source: Path) -> dict[str, Any]:
+        """Score the evaluated states kept by the finished run ``source``
+        (``checkpoint.keep_evaluated``) under this config, which differs from its own only in
+        settings that act at evaluation (``feddomain.rescore`` checks): the run that training
+        with this config writes, without the training. The rounds' log, bytes and rejected
+        updates are ``source``'s; the evaluations, their times and the wall time this one's."""
+        start = time.perf_counter()
+        finished = json.loads((source / "summary.json").read_text())
+        self.round_log = _read_jsonl(source / "rounds.jsonl")
+        trained = {r["round"]: r for r in self.round_log if "task" not in r}
+        for scored in _read_jsonl(source / "metrics.jsonl"):
+            t0, rnd = time.perf_counter(), scored["round"]
+            path = checkpoint.evaluated_path(source, rnd)
+            state = checkpoint.read(path, "it is the state the source evaluated; rerun the source")
+            if state is None:
+                raise FeddomainError(
+                    f"{source} has no kept state for its evaluated round {rnd} ({path}): run it "
+                    "with checkpoint.keep_evaluated=true to rescore it"
+                )
+            self._load_training_state(state)
+            if self._evaluated(rnd, trained[rnd], t0) is None:
+                break
+        self.rejected = finished["rejected_updates"]
+        self.links.load(finished["links"])
+        _write_json_lines(self.out / "rounds.jsonl", self.round_log)
+        summary = self.summary(time.perf_counter() - start)
+        summary["rescored_from"] = {"run": str(source), "wall_time_s": finished["wall_time_s"]}
+        if self.server.exports_state:
+            summary["server_state"] = self._export_state()
+        _write_json_atomic(self.out / "summary.json", summary)
+        return summary
+
     def evaluate(self) -> dict[str, Any]:
         """id accuracy per client on its own validation split with the model it would use; ood
         accuracy of the same models on every target domain (one shared model is scored once),
@@ -782,15 +837,22 @@ class Simulation:
     def _checkpoint(self, rnd: int, elapsed: float) -> dict[str, Any]:
         """Everything a resumed run needs to go on exactly as if never stopped."""
         return {
-            "round": rnd,
-            "server": self.server.state_dict(),
-            "stations": [s.state_dict() for s in self.stations],
-            "states": [(s.arrays, s.scalars) for s in self.states],
+            **self._training_state(rnd),
             "records": self.records,
             "round_log": self.round_log,
             "rejected": self.rejected,
             "links": self.links.snapshot(),
             "elapsed": elapsed,
+        }
+
+    def _training_state(self, rnd: int) -> dict[str, Any]:
+        """What training has made of the server, stations and clients after round ``rnd``:
+        all an evaluation reads (kept per evaluated round for ``feddomain rescore``)."""
+        return {
+            "round": rnd,
+            "server": self.server.state_dict(),
+            "stations": [s.state_dict() for s in self.stations],
+            "states": [(s.arrays, s.scalars) for s in self.states],
         }
 
     def _restore(self) -> int:
@@ -802,23 +864,24 @@ class Simulation:
             return 1
         self._load_checkpoint(state)
         # rewrite both logs to what the checkpoint knows: later lines are recomputed
-        for name, lines in (("metrics.jsonl", self.records), ("rounds.jsonl", self.round_log)):
-            tmp = self.out / (name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in lines))
-            os.replace(tmp, self.out / name)
+        _write_json_lines(self.out / "metrics.jsonl", self.records)
+        _write_json_lines(self.out / "rounds.jsonl", self.round_log)
         self.rounds_written = len(self.round_log)
         log.info("resumed %s after round %d", self.out, state["round"])
         return int(state["round"]) + 1
 
     def _load_checkpoint(self, state: dict[str, Any]) -> None:
-        self.server.load_state_dict(state["server"])
-        for station, saved in zip(self.stations, state["stations"], strict=True):
-            station.load_state_dict(saved)
-        self.states = [Message("state", a, s) for a, s in state["states"]]
+        self._load_training_state(state)
         self.records, self.rejected = state["records"], state["rejected"]
         self.round_log = state["round_log"]
         self.links.load(state["links"])
         self.elapsed = state["elapsed"]
+
+    def _load_training_state(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state["server"])
+        for station, saved in zip(self.stations, state["stations"], strict=True):
+            station.load_state_dict(saved)
+        self.states = [Message("state", a, s) for a, s in state["states"]]
 
 
 class _Counted:
@@ -948,6 +1011,17 @@ def _pooled_hist(results: list[EvalResult], weight: float = 1.0) -> dict[str, li
         k: _counts(np.sum([r.conf_hist[k] for r in results], axis=0).astype(np.float64), weight)
         for k in ("correct", "incorrect")
     }
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write_json_lines(path: Path, lines: list[dict[str, Any]]) -> None:
+    """``lines`` as JSON lines, replacing ``path`` atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    os.replace(tmp, path)
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SAMPLING, CLIENT_TRAIN, SERVER, INIT, CLIENT_PRE_ROUND, PILOT_TASK = range(6)
+SAMPLING, CLIENT_TRAIN, SERVER, INIT, CLIENT_PRE_ROUND, PILOT_TASK, EVALUATION = range(7)
 # data-layer draws: per-client validation split, few-shot picks, target pilot sets
 VAL_SPLIT, FEW_SHOT, PILOT_SPLIT = 101, 102, 103
 # The client id a pilot task runs under: no client's, so no client's data or state is in reach.
