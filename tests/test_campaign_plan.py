@@ -5,6 +5,7 @@ hours cannot stop at its 40th tune on a typo, and no claim waits for a method ne
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,48 @@ def test_the_mechanism_table_combines_each_rows_runs_and_shows_only_columns_some
         " | server merge / round (train + aggregate), worst run |"
     )
     assert rows == ["| hfedatm | 3 | 35% | 10.0% |", "| hfedavg | 0 | — | — |"]
+
+
+def test_a_rescored_variant_is_its_bases_runs_scored_again_and_its_sweep_trains_nothing(
+    tmp_path, monkeypatch
+):
+    """Catches the campaign's rescore step writing runs its variant's sweep then refuses (a
+    config other than the one it plans: the campaign would stop) or trains again (the saving
+    lost), and a base run whose rescore is refused stopping the campaign instead of being left
+    to the sweep."""
+    import feddomain
+
+    profile, label = "tiny", "fedfd_test_instance"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny", "rounds": 2, "threads": 1,
+        "dataset": {"name": "digits_embedded", "resolution": 16},
+        "split": {"scheme": "lodo", "targets": ["grey"]},
+        "partition": {"n_clients": 3, "d": 1},
+        "model": {"name": "small_cnn", "options": {"widths": [8, 16]}},
+        "train": {"batch_size": 64, "optimizer": "adam", "lr": 0.002},
+        "eval": {"every": 1}, "checkpoint": {"every": 0},
+    }))  # fmt: skip
+    monkeypatch.setitem(CAMPAIGN.PROFILES, profile, (str(config), ()))
+    monkeypatch.setitem(CAMPAIGN.METHODS, profile, {"fedfd": ("fedfd", CAMPAIGN.KEEP_EVALUATED)})
+    monkeypatch.setitem(
+        CAMPAIGN.VARIANTS, profile, {label: ("fedfd", ("algorithm.test_mode=instance",))}
+    )
+    out = tmp_path / "campaign"
+    base = out / profile / "fedfd"
+    base.mkdir(parents=True)
+    selected = {"trials": 1, "oracle": False, "selected": {"overrides": [], "value": 0.5}}
+    (base / "selected.yaml").write_text(yaml.safe_dump(selected))
+    ((_, _, tuned),) = CAMPAIGN.plan([profile], ["fedfd"])
+    feddomain.sweep(config, "dataset.root=/unused", *tuned, grid={"seed": [0, 1, 2]},
+                    out=base / "confirm")  # fmt: skip
+    (base / "confirm" / "seed=2" / "lodo-grey" / "evaluated" / "round_00002.pt").unlink()
+
+    CAMPAIGN.run_variant(out, profile, label, Path("/unused"), jobs=1)
+    runs = {p.parent.parent.name: p.parent for p in (out / profile / label).rglob("summary.json")}
+    assert sorted(runs) == ["seed=0", "seed=1", "seed=2"]
+    for seed, run_dir in runs.items():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["algorithm"] == label
+        # seed 2 lost a kept state: its rescore was refused and the sweep trained it
+        assert ("rescored_from" in summary) == (seed != "seed=2"), seed
