@@ -52,7 +52,8 @@ def rescored_config(source: Path, overrides: Sequence[str]) -> ExperimentConfig:
 
 def check_source(run_dir: Path) -> None:
     """Refuse a source run that a rescore cannot stand for: unfinished, diverged (its training
-    stopped early) or run on Flower (its clients' states stayed on their nodes)."""
+    stopped early), run on Flower (its clients' states stayed on their nodes) or itself a
+    rescore (which keeps no states: its source does)."""
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise FeddomainError(
@@ -65,6 +66,11 @@ def check_source(run_dir: Path) -> None:
             f"rescore {run_dir}: its training stopped when its model diverged "
             f"({summary['diverged']['message']}); a run under other settings would have trained "
             "on, so train it (`feddomain run`)"
+        )
+    if summary.get("rescored_from"):
+        raise FeddomainError(
+            f"rescore {run_dir}: it is a rescore of {summary['rescored_from']['run']}, which "
+            "holds the states; rescore that run"
         )
     if summary.get("runner") == "flower":
         raise FeddomainError(

@@ -115,11 +115,15 @@ def test_a_run_without_kept_states_names_the_setting_it_needs(tmp_path):
     assert not out.exists()
 
 
-def test_an_unfinished_or_diverged_source_is_refused(tmp_path):
-    """Catches a rescore standing for a run whose training did not run to its end: one never
-    finished, or one stopped when its model diverged (a run under another test-time setting
-    would have trained on)."""
+def test_an_unfinished_diverged_or_rescored_source_is_refused(tmp_path):
+    """Catches a rescore standing for a run whose training did not run to its end (one never
+    finished, or one stopped when its model diverged: a run under another test-time setting
+    would have trained on), and a rescore of a rescore failing on states it never kept
+    instead of naming the run that holds them."""
     source = _run(_config({"name": "fedfd"}, "small_cnn"), tmp_path / "source")
+    feddomain.rescore(source, tmp_path / "once", "algorithm.test_mode=fixed")
+    with pytest.raises(FeddomainError, match=f"a rescore of {source}, which holds the states"):
+        feddomain.rescore(tmp_path / "once", tmp_path / "twice", "algorithm.test_mode=random")
     summary = json.loads((source / "summary.json").read_text())
     (source / "summary.json").write_text(
         json.dumps({**summary, "diverged": {"round": 4, "message": "round 4: non-finite"}})
