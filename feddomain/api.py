@@ -220,7 +220,7 @@ def rescore(source: PathLike, out: PathLike, *overrides: str) -> ExperimentResul
     existed = out.exists()
     try:
         run_dirs = _rescore_splits(cfg, source, out)
-    except FeddomainError:
+    except BaseException:  # a half-written rescore is worth nothing: the same --out works again
         _undo_start(out, existed)
         raise
     return ExperimentResult(out, [FinishedRun.load(d) for d in run_dirs])
@@ -233,7 +233,8 @@ def _rescore_splits(cfg: ExperimentConfig, source: Path, out: Path) -> list[Path
 
     from feddomain.data.federated import federations
     from feddomain.federation.simulation import Simulation
-    from feddomain.rescore import check_source
+    from feddomain.rescore import check_device, check_source
+    from feddomain.tracking import open_tracker
 
     torch.set_num_threads(cfg.torch_threads)
     feds = federations(cfg)
@@ -244,13 +245,21 @@ def _rescore_splits(cfg: ExperimentConfig, source: Path, out: Path) -> list[Path
     ]
     for _, run_source, _ in runs:
         check_source(run_source)
+        check_device(run_source, cfg)
     out.mkdir(parents=True, exist_ok=True)
     _write_config(out, cfg, rescored_from=source)
     for fed, run_source, run_dir in runs:
         if run_dir != out:
             run_dir.mkdir()
             _write_config(run_dir, cfg, rescored_from=run_source)
-        summary = Simulation(cfg, fed, run_dir).rescore(run_source)
+        tracker = open_tracker(cfg, _default_run_name(cfg, fed.split.name), run_dir)
+        try:
+            summary = Simulation(cfg, fed, run_dir, on_round=tracker.log_round).rescore(run_source)
+        except BaseException:
+            tracker.close("FAILED")
+            raise
+        tracker.log_summary(summary)
+        tracker.close("FINISHED")
         label = f"{cfg.algorithm.label or cfg.algorithm.name} {fed.split.name}"
         print(
             f"{label}: {_scores(summary)}  ({summary['selection']}, round "

@@ -14,12 +14,14 @@ changed config writes, number for number, save its timings; its summary names th
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from feddomain.config import ExperimentConfig, differing_keys, load_config
-from feddomain.errors import FeddomainError
+from feddomain.errors import DIVERGED_RECORD, FeddomainError
 
+log = logging.getLogger("feddomain")
 FREE = ("name", "algorithm.label", "eval.selection")  # nothing a model computes reads these
 FREE_SECTIONS = ("checkpoint.", "tracking.")
 
@@ -51,9 +53,17 @@ def rescored_config(source: Path, overrides: Sequence[str]) -> ExperimentConfig:
 
 
 def check_source(run_dir: Path) -> None:
-    """Refuse a source run that a rescore cannot stand for: unfinished, diverged (its training
-    stopped early), run on Flower (its clients' states stayed on their nodes) or itself a
-    rescore (which keeps no states: its source does)."""
+    """Refuse, before anything is written, a source run that a rescore cannot stand for:
+    unfinished or diverged (its training stopped early), run on Flower (its clients' states
+    stayed on their nodes), itself a rescore (which keeps no states: its source does), or
+    without its logs or a kept state of each evaluated round."""
+    from feddomain.federation.checkpoint import EVALUATED, evaluated_path
+
+    if (run_dir / DIVERGED_RECORD).is_file():
+        raise FeddomainError(
+            f"rescore {run_dir}: its model diverged before its first evaluation "
+            f"({DIVERGED_RECORD}), so there is nothing to score again"
+        )
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise FeddomainError(
@@ -77,3 +87,50 @@ def check_source(run_dir: Path) -> None:
             f"rescore {run_dir}: it ran on Flower, whose clients kept their states on their "
             "nodes; rescore a simulated run"
         )
+    logs = [name for name in ("metrics.jsonl", "rounds.jsonl") if not (run_dir / name).is_file()]
+    if logs:
+        raise FeddomainError(
+            f"rescore {run_dir}: {' and '.join(logs)} missing (a copy of the run without its "
+            "logs?); a rescore needs the run directory as the run left it"
+        )
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rounds = [json.loads(line)["round"] for line in lines if line.strip()]
+    absent = [rnd for rnd in rounds if not evaluated_path(run_dir, rnd).is_file()]
+    if not absent:
+        return
+    if not load_config(run_dir / "config.yaml").checkpoint.keep_evaluated:
+        raise FeddomainError(
+            f"rescore {run_dir}: the run kept no evaluated states; run it with "
+            "checkpoint.keep_evaluated=true to rescore it"
+        )
+    raise FeddomainError(
+        f"rescore {run_dir}: the kept states of evaluated rounds {absent} are missing from "
+        f"{run_dir / EVALUATED} (a copy of the run without them?)"
+    )
+
+
+def check_device(run_dir: Path, cfg: ExperimentConfig) -> None:
+    """Warn when the rescore scores on another device than the source trained on: its numbers
+    then equal training here only up to float error."""
+    import yaml
+
+    from feddomain.federation.device import describe
+
+    provenance = run_dir / "provenance.yaml"
+    if not provenance.is_file():
+        return
+    trained = (yaml.safe_load(provenance.read_text()) or {}).get("device")
+    here = describe(cfg.device)
+    if trained is not None and _device(trained) != _device(here):
+        log.warning(
+            "%s trained on %s and is rescored on %s: its scores equal training with the "
+            "settings only up to float error",
+            run_dir,
+            trained,
+            here,
+        )
+
+
+def _device(described: str) -> str:
+    """The device of a provenance's description, without how it was chosen."""
+    return "cpu" if described.startswith("cpu") else described.removesuffix(" chosen by auto")

@@ -76,7 +76,14 @@ def reopen_finished(out: Path, rounds: int, new_rounds: int) -> list[Path]:
     that cannot be extended changes nothing."""
     finished = [d for d in (out, *sorted(out.iterdir())) if (d / "summary.json").is_file()]
     for run_dir in finished:
-        if json.loads((run_dir / "summary.json").read_text()).get("runner") == "flower":
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("rescored_from"):
+            raise FeddomainError(
+                f"extending {rounds} rounds to {new_rounds} is refused: {run_dir} is a rescore "
+                f"of {summary['rescored_from']['run']}, which holds the run's states; extend "
+                "that run and rescore it again"
+            )
+        if summary.get("runner") == "flower":
             raise FeddomainError(
                 f"extending {rounds} rounds to {new_rounds} is refused: {run_dir} ran on Flower, "
                 "whose clients keep their state on their nodes, not in the run's final state; "

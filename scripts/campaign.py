@@ -539,7 +539,8 @@ def rescore_variant(out: Path, profile: str, label: str, confirm: Path) -> None:
     from feddomain.errors import FeddomainError
 
     base, extra = VARIANTS[profile][label]
-    for source in sorted((out / profile / base / "confirm").glob("seed=*/*/summary.json")):
+    sources = sorted((out / profile / base / "confirm").glob("seed=*/*/summary.json"))
+    for source in sources:
         run_dir = confirm / source.parent.relative_to(out / profile / base / "confirm")
         if run_dir.exists():
             continue
@@ -547,6 +548,8 @@ def rescore_variant(out: Path, profile: str, label: str, confirm: Path) -> None:
             api.rescore(source.parent, run_dir, *extra, f"algorithm.label={label}")
         except FeddomainError as err:
             logging.warning("%s %s: %s; the variant's sweep trains it", profile, label, err)
+    logging.info("%s %s: %d finished runs of %s to rescore; the sweep trains any other",
+                 profile, label, len(sources), base)  # fmt: skip
 
 
 def report(out: Path, profile: str) -> tuple[list[str], list[str]]:

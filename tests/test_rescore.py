@@ -103,14 +103,45 @@ def test_a_change_that_trains_differently_is_refused_by_name(tmp_path):
     assert not out.exists()
 
 
-def test_a_run_without_kept_states_names_the_setting_it_needs(tmp_path):
-    """Catches a rescore of a run that kept no evaluated states (an unhelpful crash, or scores
-    of whatever model is at hand) and a half-written output left behind."""
+def test_a_run_without_kept_states_or_logs_is_refused_before_anything_is_written(tmp_path):
+    """Catches a rescore of a run that kept no evaluated states, or lost one or its logs (a
+    copy of it), failing half-way (an unhelpful crash, a half-written output the campaign
+    then skips) instead of naming what is missing before writing anything."""
     cfg = _config({"name": "fedfd"}, "small_cnn")
     cfg["checkpoint"] = {"every": 0}
-    source = _run(cfg, tmp_path / "source")
+    plain = _run(cfg, tmp_path / "plain")
     out = tmp_path / "out"
-    with pytest.raises(FeddomainError, match=r"checkpoint\.keep_evaluated=true"):
+    with pytest.raises(FeddomainError, match=r"kept no evaluated states.*keep_evaluated=true"):
+        feddomain.rescore(plain, out, "algorithm.test_mode=instance")
+    assert not out.exists()
+    source = _run(_config({"name": "fedfd"}, "small_cnn"), tmp_path / "source")
+    (source / "evaluated" / "round_00004.pt").unlink()
+    with pytest.raises(FeddomainError, match=r"evaluated rounds \[4\] are missing"):
+        feddomain.rescore(source, out, "algorithm.test_mode=instance")
+    (source / "rounds.jsonl").unlink()
+    with pytest.raises(FeddomainError, match=r"rounds\.jsonl missing"):
+        feddomain.rescore(source, out, "algorithm.test_mode=instance")
+    assert not out.exists()
+
+
+def test_a_setting_under_which_the_model_diverges_is_refused(tmp_path, monkeypatch):
+    """Catches a rescore that, when its evaluation of round 4 diverges, keeps the source's
+    later rounds (bytes, rejected updates, round log) where the run trained with the setting
+    would have stopped: it must refuse, name the round, and leave nothing behind."""
+    from feddomain.errors import DivergedError
+    from feddomain.federation.simulation import Simulation
+
+    source = _run(_config({"name": "fedfd"}, "small_cnn"), tmp_path / "source")
+    evaluate = Simulation.evaluate
+
+    def diverging(self):
+        if self.records:  # the second evaluation (round 4)
+            raise DivergedError("the model to evaluate gives non-finite outputs")
+        return evaluate(self)
+
+    monkeypatch.setattr(Simulation, "evaluate", diverging)
+    out = tmp_path / "out"
+    with pytest.raises(FeddomainError, match=r"round 4: the model .* stops there"):
         feddomain.rescore(source, out, "algorithm.test_mode=instance")
     assert not out.exists()
 
@@ -121,9 +152,13 @@ def test_an_unfinished_diverged_or_rescored_source_is_refused(tmp_path):
     would have trained on), and a rescore of a rescore failing on states it never kept
     instead of naming the run that holds them."""
     source = _run(_config({"name": "fedfd"}, "small_cnn"), tmp_path / "source")
-    feddomain.rescore(source, tmp_path / "once", "algorithm.test_mode=fixed")
+    once = tmp_path / "once"
+    feddomain.rescore(source, once, "algorithm.test_mode=fixed")
     with pytest.raises(FeddomainError, match=f"a rescore of {source}, which holds the states"):
-        feddomain.rescore(tmp_path / "once", tmp_path / "twice", "algorithm.test_mode=random")
+        feddomain.rescore(once, tmp_path / "twice", "algorithm.test_mode=random")
+    longer = feddomain.load_config(once / "config.yaml", f"rounds={ROUNDS + 2}")
+    with pytest.raises(FeddomainError, match=f"is a rescore of {source}"):
+        feddomain.run(longer, once, resume=True)
     summary = json.loads((source / "summary.json").read_text())
     (source / "summary.json").write_text(
         json.dumps({**summary, "diverged": {"round": 4, "message": "round 4: non-finite"}})
@@ -133,3 +168,6 @@ def test_an_unfinished_diverged_or_rescored_source_is_refused(tmp_path):
     (source / "summary.json").unlink()
     with pytest.raises(FeddomainError, match="has not finished"):
         feddomain.rescore(source, tmp_path / "b", "algorithm.test_mode=instance")
+    (source / "diverged.json").write_text("{}")
+    with pytest.raises(FeddomainError, match="diverged before its first evaluation"):
+        feddomain.rescore(source, tmp_path / "c", "algorithm.test_mode=instance")

@@ -238,3 +238,18 @@ def test_a_backend_failing_mid_run_warns_once_and_the_others_go_on(
     assert len(warnings) == 1 and "flaky failed to log round (ConnectionError" in warnings[0]
     assert flaky.rounds == [1] and flaky.closed is None
     assert steady.rounds == [1, 2, 3, 4, "summary"] and steady.closed == "FINISHED"
+
+
+def test_a_rescore_is_tracked_as_a_run_of_its_own(tmp_path: Path) -> None:
+    """Catches a rescore whose tracking settings are accepted and then ignored: its evaluated
+    rounds and its summary (at its own selection) reach TensorBoard as a trained run's do."""
+    cfg = feddomain.load_config(DEMO, *CHEAP, "train.lr=0.002", "checkpoint.keep_evaluated=true")
+    feddomain.run(cfg, out=tmp_path / "run", quiet=True)
+    board = tmp_path / "tb"
+    (run,) = feddomain.rescore(
+        tmp_path / "run", tmp_path / "again", "eval.selection=last", f"tracking.tensorboard={board}"
+    )
+    logged = scalars(board / "demo" / "fedavg" / "seed0" / "lodo-grey")
+    assert logged["ood_acc"] == {r["round"]: pytest.approx(r["ood_acc"]) for r in run.records}
+    assert run.selected_round == 2  # the last round, not the source's selection
+    assert logged["summary/ood_acc"] == {2: pytest.approx(run.summary["ood_acc"])}

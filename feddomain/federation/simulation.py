@@ -641,23 +641,31 @@ class Simulation:
         (``checkpoint.keep_evaluated``) under this config, which differs from its own only in
         settings that act at evaluation (``feddomain.rescore`` checks): the run that training
         with this config writes, without the training. The rounds' log, bytes and rejected
-        updates are ``source``'s; the evaluations, their times and the wall time this one's."""
+        updates are ``source``'s; the evaluations, their times and the wall time this one's.
+        Settings under which the model diverges are refused: the run trained with them stops
+        there, and the source's later rounds cannot be taken back."""
         start = time.perf_counter()
         finished = json.loads((source / "summary.json").read_text())
         self.round_log = _read_jsonl(source / "rounds.jsonl")
-        trained = {r["round"]: r for r in self.round_log if "task" not in r}
-        for scored in _read_jsonl(source / "metrics.jsonl"):
-            t0, rnd = time.perf_counter(), scored["round"]
-            path = checkpoint.evaluated_path(source, rnd)
-            state = checkpoint.read(path, "it is the state the source evaluated; rerun the source")
-            if state is None:
-                raise FeddomainError(
-                    f"{source} has no kept state for its evaluated round {rnd} ({path}): run it "
-                    "with checkpoint.keep_evaluated=true to rescore it"
-                )
-            self._load_training_state(state)
-            if self._evaluated(rnd, trained[rnd], t0) is None:
-                break
+        scored = {r["round"] for r in _read_jsonl(source / "metrics.jsonl")}
+        for entry in (r for r in self.round_log if "task" not in r):
+            rnd, record = entry["round"], entry
+            if rnd in scored:
+                t0 = time.perf_counter()
+                path = checkpoint.evaluated_path(source, rnd)
+                state = checkpoint.read(path, "rerun the source to rescore it")
+                if state is None:
+                    raise FeddomainError(f"rescore {source}: {path} is missing")
+                self._load_training_state(state)
+                record = self._evaluated(rnd, entry, t0)
+                if record is None:
+                    raise FeddomainError(
+                        f"rescore {source}: {self.diverged['message']}; the run trained with "
+                        "these settings stops there, which a rescore cannot stand for: train "
+                        "it (`feddomain run`)"
+                    )
+            if self.on_round:
+                self.on_round(record)
         self.rejected = finished["rejected_updates"]
         self.links.load(finished["links"])
         _write_json_lines(self.out / "rounds.jsonl", self.round_log)
