@@ -57,6 +57,7 @@ def check_source(run_dir: Path) -> None:
     unfinished or diverged (its training stopped early), run on Flower (its clients' states
     stayed on their nodes), itself a rescore (which keeps no states: its source does), or
     without its logs or a kept state of each evaluated round."""
+    from feddomain.evaluation.report import read_metrics
     from feddomain.federation.checkpoint import EVALUATED, evaluated_path
 
     if (run_dir / DIVERGED_RECORD).is_file():
@@ -93,8 +94,7 @@ def check_source(run_dir: Path) -> None:
             f"rescore {run_dir}: {' and '.join(logs)} missing (a copy of the run without its "
             "logs?); a rescore needs the run directory as the run left it"
         )
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    rounds = [json.loads(line)["round"] for line in lines if line.strip()]
+    rounds = [record["round"] for record in read_metrics(run_dir / "metrics.jsonl")]
     absent = [rnd for rnd in rounds if not evaluated_path(run_dir, rnd).is_file()]
     if not absent:
         return

@@ -34,6 +34,7 @@ from feddomain.config import ExperimentConfig
 from feddomain.data.federated import FederatedData
 from feddomain.errors import DIVERGED_RECORD, ConfigError, DivergedError, FeddomainError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
+from feddomain.evaluation.report import read_metrics
 from feddomain.evaluation.selection import select
 from feddomain.evaluation.trailing import trailing_means
 from feddomain.federation import checkpoint
@@ -646,8 +647,8 @@ class Simulation:
         there, and the source's later rounds cannot be taken back."""
         start = time.perf_counter()
         finished = json.loads((source / "summary.json").read_text())
-        self.round_log = _read_jsonl(source / "rounds.jsonl")
-        scored = {r["round"] for r in _read_jsonl(source / "metrics.jsonl")}
+        self.round_log = read_metrics(source / "rounds.jsonl")
+        scored = {r["round"] for r in read_metrics(source / "metrics.jsonl")}
         for entry in (r for r in self.round_log if "task" not in r):
             rnd, record = entry["round"], entry
             if rnd in scored:
@@ -1019,10 +1020,6 @@ def _pooled_hist(results: list[EvalResult], weight: float = 1.0) -> dict[str, li
         k: _counts(np.sum([r.conf_hist[k] for r in results], axis=0).astype(np.float64), weight)
         for k in ("correct", "incorrect")
     }
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _write_json_lines(path: Path, lines: list[dict[str, Any]]) -> None:
