@@ -34,7 +34,6 @@ from feddomain.config import ExperimentConfig
 from feddomain.data.federated import FederatedData
 from feddomain.errors import DIVERGED_RECORD, ConfigError, DivergedError, FeddomainError
 from feddomain.evaluation.metrics import EvalResult, evaluate_probs, spread, worst_domain
-from feddomain.evaluation.report import read_metrics
 from feddomain.evaluation.selection import select
 from feddomain.evaluation.trailing import trailing_means
 from feddomain.federation import checkpoint
@@ -645,6 +644,9 @@ class Simulation:
         updates are ``source``'s; the evaluations, their times and the wall time this one's.
         Settings under which the model diverges are refused: the run trained with them stops
         there, and the source's later rounds cannot be taken back."""
+        # report.py loads SciPy and matplotlib: a run that does not rescore must not pay for them
+        from feddomain.evaluation.report import read_metrics
+
         start = time.perf_counter()
         finished = json.loads((source / "summary.json").read_text())
         self.round_log = read_metrics(source / "rounds.jsonl")
