@@ -580,8 +580,8 @@ def report(
     """``feddomain report``: the method x target tables over the finished runs under ``dirs``
     (``report.to_markdown()``); with ``out``, report.md/.csv/.tex and the plots written there
     (and report.html with ``html``). ``against`` (every other method > it) and ``claims`` (a
-    file of "A > B" / "A < B on METRIC" lines) add paired 95% intervals and verdicts (t, or a
-    paired bootstrap)."""
+    file of "A > B" / "A < B on METRIC" / "A - B > C - D" lines) add paired 95% intervals and
+    verdicts (t, or a paired bootstrap)."""
     from feddomain.evaluation.report import build_report, write_html, write_outputs
 
     if not dirs:

@@ -227,8 +227,8 @@ def _parser() -> argparse.ArgumentParser:
         "--claims",
         type=Path,
         metavar="FILE",
-        help="claims to test, one per line: 'A > B' (ood accuracy) or 'A < B on METRIC' "
-        "(e.g. ood_ece, client_acc_std)",
+        help="claims to test, one per line: 'A > B' (ood accuracy), 'A < B on METRIC' "
+        "(e.g. ood_ece, client_acc_std) or on gains, 'A - B > C - D'",
     )
     rep.add_argument(
         "--bootstrap",

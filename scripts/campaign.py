@@ -267,6 +267,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     **{
         f"pacs-effnet-frozen-stations-lam{lam}": (
             *(f"hfedatm{c} > hfedavg{c}" for c in HFEDATM_CLIENTS),
+            *(f"hfedatm{c} - hfedavg{c} > hfedatm - hfedavg" for c in ("_fedsr", "_fediir")),
             *(f"hfedatm{c} > {b}" for c in ("", "_fedsr") for b in ("mtgc", "fedrc")),
         )
         for lam in ("1.0", "0.1")
@@ -369,6 +370,12 @@ STATEMENTS: dict[str, str] = {
     "vs 77.50 (lambda 0.1)",
     "hfedatm_fediir > hfedavg_fediir": "HFedATM Table 1, PACS: 84.58 vs 81.22 (lambda 1), "
     "81.97 vs 78.22 (lambda 0.1)",
+    "hfedatm_fedsr - hfedavg_fedsr > hfedatm - hfedavg": "HFedATM Table 1, PACS: its gain is "
+    "larger with FedSR clients, 3.35 points (lambda 1) and 3.50 (lambda 0.1), than with FedAvg "
+    "clients, 1.78 and 1.69",
+    "hfedatm_fediir - hfedavg_fediir > hfedatm - hfedavg": "HFedATM Table 1, PACS: its gain is "
+    "larger with FedIIR clients, 3.36 points (lambda 1) and 3.75 (lambda 0.1), than with FedAvg "
+    "clients, 1.78 and 1.69",
     "hfedatm > mtgc": "HFedATM Fig. 2: HFedATM above MTGC on every dataset (no numbers)",
     "hfedatm > fedrc": "HFedATM Fig. 2: HFedATM above FedRC on every dataset (no numbers)",
     "hfedatm_fedsr > mtgc": "HFedATM Fig. 2: HFedATM on FedSR above MTGC (no numbers)",
@@ -420,8 +427,6 @@ NOT_TESTED: tuple[tuple[str, str], ...] = (
      "them where they are"),
     ("the papers' absolute numbers (ResNet-18/50 at 224 px, 40-200 rounds)",
      "GPU budgets: `feddomain reproduce` prints them beside ours; no GPU was lent here"),
-    ("HFedATM: gains larger with FedSR/FedIIR clients than with FedAvg",
-     "a difference of differences: read from the three +HFedATM > +Avg intervals"),
     ("HFedATM: server merge under 10% of a round",
      "a timing, not a paired accuracy: each stations profile's mechanism table gives its "
      "worst run's server merge as a share of a round"),
@@ -561,7 +566,7 @@ def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
 
     done, progress = confirmations(out, profile)
     specs = [ClaimSpec.parse(c) for c in CLAIMS[profile]]
-    tested = [c for c in specs if c.first in done and c.second in done]
+    tested = [c for c in specs if set(c.rows) <= set(done)]
     verdicts, section = {}, []
     if done:
         claims_file = out / profile / "claims.txt"
@@ -579,7 +584,7 @@ def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
             why = WHY.get((profile, spec.text), "")
             rows.append(f"{claim} {evidence} | {c.pairs} | {c.verdict} | {why} |")
             continue
-        waiting = [progress.get(label, "not started") for label in (spec.first, spec.second)
+        waiting = [progress.get(label, f"{label} not started") for label in spec.rows
                    if label not in done]  # fmt: skip
         if profile in GPU_WORK and not progress:
             waiting = [GPU_WORK[profile]]

@@ -175,6 +175,53 @@ def test_bootstrap_interval_is_seeded_and_inside_the_differences(tmp_path: Path)
     assert bootstrap_interval(spread, seed=1) != bootstrap_interval(spread)
 
 
+def test_a_claim_on_gains_pairs_the_two_gains_cell_by_cell(tmp_path: Path, capsys):
+    """Catches HFedATM's "larger gains with FedSR clients than with FedAvg" computed from the
+    rows' means (unpaired), a cell one of the four rows lacks counted, or the gains subtracted
+    the wrong way round. Per (target, seed) cell, ood at the source_val round:
+    (hfedatm_fedsr - hfedavg_fedsr) - (hfedatm - hfedavg) = (3, 5, 2, 4) points; the cell
+    (sketch, 2) that hfedavg lacks would add -40 points."""
+    root = tmp_path / "runs"
+    cells = [("photo", 0), ("photo", 1), ("sketch", 0), ("sketch", 1)]
+    rows = {  # ood accuracy per cell, in cells' order
+        "hfedavg": (0.60, 0.62, 0.40, 0.44),
+        "hfedatm": (0.61, 0.62, 0.42, 0.44),  # gains 1, 0, 2, 0 points
+        "hfedavg_fedsr": (0.50, 0.55, 0.30, 0.35),
+        "hfedatm_fedsr": (0.54, 0.60, 0.34, 0.39),  # gains 4, 5, 4, 4 points
+    }
+    for row, values in rows.items():
+        for (target, seed), ood in zip(cells, values, strict=True):
+            write_run(root, row, target, seed, (ood, 0.9, 0.1))
+    for row, ood in (("hfedatm", 0.9), ("hfedavg_fedsr", 0.1), ("hfedatm_fedsr", 0.5)):
+        write_run(root, row, "sketch", 2, (ood, 0.9, 0.1))  # no hfedavg partner
+    claims = tmp_path / "claims.txt"
+    claims.write_text(
+        "hfedatm_fedsr - hfedavg_fedsr > hfedatm - hfedavg\n"
+        "hfedatm - hfedavg > hfedatm_fedsr - hfedavg_fedsr\n"
+    )
+    larger, reverse = build_report([root], claims_file=claims).claims
+    mean, low, high = _hand_t([0.03, 0.05, 0.02, 0.04], T_975_3)  # 0.035 ± 3.18 · 0.00645
+    assert larger.pairs == 4
+    assert (larger.mean, larger.low, larger.high) == pytest.approx((mean, low, high), abs=1e-12)
+    assert (larger.verdict, reverse.verdict) == ("holds", "refuted")
+    assert main(["report", str(root), "--claims", str(claims)]) == 0
+    out = capsys.readouterr().out
+    assert "| hfedatm_fedsr - hfedavg_fedsr > hfedatm - hfedavg | 4 | +3.50 |" in out
+
+
+def test_claims_parse_back_to_their_text():
+    """Catches a gain claim misread (its baselines dropped, or a row's label split at a
+    hyphen that is part of it) and a gain compared with a plain row, which has no meaning."""
+    gains = ClaimSpec.parse("a_x - b-1 < c - d on ood_ece")
+    assert gains == ClaimSpec("a_x", "c", "<", "ood_ece", "b-1", "d")
+    assert gains.rows == ("a_x", "b-1", "c", "d")
+    assert ClaimSpec.parse(gains.text) == gains
+    assert ClaimSpec.parse("fedfd-a > fedfd").rows == ("fedfd-a", "fedfd")
+    for text in ("a - b > c", "a > c - d", "a - b - c > d - e", "a -  > c - d"):
+        with pytest.raises(ValueError):
+            ClaimSpec.parse(text)
+
+
 def test_claims_files_and_bad_claims(tmp_path: Path):
     """Catches a YAML list not read as claims, a malformed line accepted, and a claim about
     a row the report lacks passing silently (the message lists the rows)."""

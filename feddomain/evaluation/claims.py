@@ -1,14 +1,17 @@
-"""Claims "A > B" as paired differences with 95% intervals (``feddomain report --against`` /
-``--claims``), and the tuning behind each method (``feddomain tune``'s ``selected.yaml``).
+"""Claims "A > B" (or on gains, "A - B > C - D") as paired differences with 95% intervals
+(``feddomain report --against`` / ``--claims``), and the tuning behind each method
+(``feddomain tune``'s ``selected.yaml``).
 
 A claim compares two report rows (method labels) on one metric over the (dataset, target,
 seed) cells both have: ``A > B`` (ood accuracy), or ``A < B on ood_ece`` (a metric where lower
-is the claim: calibration error, the spread over clients). The difference d = A - B per cell,
-its mean and a 95% interval come from Student's t over the pairs (``scipy.stats.t``) or, on
-request, a paired percentile bootstrap (``scipy.stats.bootstrap``, seeded). The verdict is the
-protocol's (``shared/protocols.md``): the claim **holds** when the whole interval lies on the
-claimed side of 0, is **refuted** when it lies on the other, and is **unresolved** otherwise
-(fewer than 2 pairs included).
+is the claim: calibration error, the spread over clients). A claim on gains compares two
+differences: ``A - B > C - D`` (A gains more over B than C over D; HFedATM's "larger gains with
+FedSR clients than with FedAvg") over the cells all four rows have. The difference d = A - B
+(or (A - B) - (C - D)) per cell, its mean and a 95% interval come from Student's t over the
+pairs (``scipy.stats.t``) or, on request, a paired percentile bootstrap
+(``scipy.stats.bootstrap``, seeded). The verdict is the protocol's (``shared/protocols.md``):
+the claim **holds** when the whole interval lies on the claimed side of 0, is **refuted** when
+it lies on the other, and is **unresolved** otherwise (fewer than 2 pairs included).
 """
 
 from __future__ import annotations
@@ -38,32 +41,62 @@ DIRECTIONS = (">", "<")
 @dataclass(frozen=True)
 class ClaimSpec:
     """What is claimed: row ``first`` above (``>``) or below (``<``) row ``second`` on
-    ``metric``."""
+    ``metric``; with baselines, ``first``'s gain over ``first_baseline`` against ``second``'s
+    gain over ``second_baseline``."""
 
     first: str
     second: str
     direction: str = ">"
     metric: str = DEFAULT_METRIC
+    first_baseline: str | None = None
+    second_baseline: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.first_baseline is None) != (self.second_baseline is None):
+            raise ValueError("a claim on gains needs a baseline on both sides: 'A - B > C - D'")
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """Every report row the claim reads."""
+        sides = (self.first, self.first_baseline, self.second, self.second_baseline)
+        return tuple(row for row in sides if row is not None)
 
     @property
     def text(self) -> str:
-        """``"A > B"``, with ``" on METRIC"`` when the metric is not ood accuracy."""
+        """``"A > B"`` or ``"A - B > C - D"``, with ``" on METRIC"`` when the metric is not ood
+        accuracy."""
         on = "" if self.metric == DEFAULT_METRIC else f" on {self.metric}"
-        return f"{self.first} {self.direction} {self.second}{on}"
+        first = _side_text(self.first, self.first_baseline)
+        return f"{first} {self.direction} {_side_text(self.second, self.second_baseline)}{on}"
 
     @classmethod
     def parse(cls, text: str) -> ClaimSpec:
-        """``"A > B"`` or ``"A < B on METRIC"``; a ValueError says what is wrong."""
+        """``"A > B"``, ``"A - B > C - D"``, either with ``" on METRIC"``; a ValueError says
+        what is wrong."""
+        usage = f"{text!r} is not 'A > B', 'A - B > C - D' or either with ' on METRIC'"
         claim, on, metric = text.rpartition(" on ")
         if not on:
             claim, metric = text, DEFAULT_METRIC
         operators = [d for d in DIRECTIONS if d in claim]
         if len(operators) != 1 or claim.count(operators[0]) != 1:
-            raise ValueError(f"{text!r} is not 'A > B' or 'A < B on METRIC'")
-        first, _, second = (part.strip() for part in claim.partition(operators[0]))
-        if not first or not second or not metric.strip() or " " in metric.strip():
-            raise ValueError(f"{text!r} is not 'A > B' or 'A < B on METRIC'")
-        return cls(first, second, operators[0], metric.strip())
+            raise ValueError(usage)
+        sides = [_parse_side(part) for part in claim.split(operators[0])]
+        if None in sides or not metric.strip() or " " in metric.strip():
+            raise ValueError(usage)
+        (first, first_baseline), (second, second_baseline) = sides
+        return cls(first, second, operators[0], metric.strip(), first_baseline, second_baseline)
+
+
+def _side_text(row: str, baseline: str | None) -> str:
+    return row if baseline is None else f"{row} - {baseline}"
+
+
+def _parse_side(text: str) -> tuple[str, str | None] | None:
+    """``"A"`` or ``"A - B"`` (labels without spaces); None when it is neither."""
+    names = [name.strip() for name in text.split(" - ")]
+    if not 1 <= len(names) <= 2 or any(not name or " " in name for name in names):
+        return None
+    return names[0], (names[1] if len(names) == 2 else None)
 
 
 @dataclass(frozen=True)
@@ -137,27 +170,40 @@ def bootstrap_interval(
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def paired_differences(runs: list[RunResult], better: str, worse: str, metric: str) -> np.ndarray:
-    """A - B over the (dataset, target, seed) cells both methods have, in a fixed order."""
-    cells: dict[str, dict[tuple[str, str, int], float]] = {better: {}, worse: {}}
+def paired_differences(runs: list[RunResult], spec: ClaimSpec) -> np.ndarray:
+    """A - B, or (A - B) - (C - D), over the (dataset, target, seed) cells every row of the
+    claim has, in a fixed order."""
+    cells: dict[str, dict[tuple[str, str, int], float]] = {row: {} for row in spec.rows}
     for run in runs:
         if run.algorithm in cells:
-            cells[run.algorithm][(run.dataset, run.target, run.seed)] = float(run.selected[metric])
-    shared = sorted(set(cells[better]) & set(cells[worse]))
-    return np.array([cells[better][k] - cells[worse][k] for k in shared], dtype=np.float64)
+            value = float(run.selected[spec.metric])
+            cells[run.algorithm][(run.dataset, run.target, run.seed)] = value
+    shared = sorted(set.intersection(*(set(values) for values in cells.values())))
+
+    def side(row: str, baseline: str | None, cell: tuple[str, str, int]) -> float:
+        return cells[row][cell] - (cells[baseline][cell] if baseline is not None else 0.0)
+
+    return np.array(
+        [
+            side(spec.first, spec.first_baseline, cell)
+            - side(spec.second, spec.second_baseline, cell)
+            for cell in shared
+        ],
+        dtype=np.float64,
+    )
 
 
 def evaluate(report: Report, specs: list[ClaimSpec], bootstrap: bool = False) -> list[Claim]:
     """Each claim over the report's runs; a label the report lacks, or a metric its runs of
     those rows do not record, is an error naming what there is."""
     labels = sorted({r.algorithm for r in report.runs})
-    for name in {n for spec in specs for n in (spec.first, spec.second)}:
+    for name in {row for spec in specs for row in spec.rows}:
         if name not in labels:
             raise DataError(f"claim names {name!r}, which no report row has (rows: {labels})")
     claims = []
     for spec in specs:
         _check_metric(report.runs, spec)
-        diffs = paired_differences(report.runs, spec.first, spec.second, spec.metric)
+        diffs = paired_differences(report.runs, spec)
         low, high = bootstrap_interval(diffs) if bootstrap else t_interval(diffs)
         mean = float(diffs.mean()) if diffs.size else math.nan
         kind = "bootstrap" if bootstrap else "t"
@@ -167,7 +213,7 @@ def evaluate(report: Report, specs: list[ClaimSpec], bootstrap: bool = False) ->
 
 def _check_metric(runs: list[RunResult], spec: ClaimSpec) -> None:
     for run in runs:
-        if run.algorithm in (spec.first, spec.second):
+        if run.algorithm in spec.rows:
             value = run.selected.get(spec.metric)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise DataError(
@@ -185,8 +231,8 @@ def against(report: Report, baseline: str) -> list[ClaimSpec]:
 
 
 def read_claims(path: Path) -> list[ClaimSpec]:
-    """A claims file: a YAML list of "A > B" / "A < B on METRIC" strings, or plain text with
-    one per line (``#`` starts a comment)."""
+    """A claims file: a YAML list of "A > B" / "A < B on METRIC" / "A - B > C - D" strings, or
+    plain text with one per line (``#`` starts a comment)."""
     try:
         text = path.read_text()
     except OSError as err:
