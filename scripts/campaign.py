@@ -393,6 +393,8 @@ WHY: dict[tuple[str, str], str] = {
     "FedProx's one model is scored, hFedF's clients' own models spread 10.7 points",
     ("pacs-effnet-frozen", "hfedf > fedgma"): "the same personalisation as against FedAvg: "
     "FedGMA's one model is scored, hFedF's clients' own models spread 10.7 points",
+    ("pacs-effnet-frozen", "hfedf > fedsr"): "the same personalisation as against FedAvg: "
+    "FedSR's one model is scored, hFedF's clients' own models spread 10.7 points",
     ("pacs-effnet-frozen", "hfedf_lr0.0075 > pfedhn"): "the client step is a third of the "
     "spread (10.7 points at lr 0.085, 7.6 at 0.0075; pFedHN 0.1): the rest is the server side",
     ("pacs-effnet-frozen", "hfedf > pfedhn"): "hFedF's Adam server step personalises its "
