@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 from PIL import Image
 
 from feddomain.data import cache, sources
@@ -88,7 +90,8 @@ def folder(tmp_path):
 
 
 def cache_files(cache_dir: Path) -> list[str]:
-    return sorted(p.suffix for p in cache_dir.iterdir())
+    """The suffixes of the entries' files (not the empty lock file the build leaves)."""
+    return sorted(p.suffix for p in cache_dir.iterdir() if p.suffix != ".lock")
 
 
 def test_second_load_is_a_hit_that_decodes_nothing(folder, tmp_path, monkeypatch):
@@ -217,6 +220,32 @@ def test_writer_publishes_rows_in_order_and_read_checks_the_row_count(tmp_path):
     assert cache.read(entry, "other key", 6, (3, 2, 2)) is None
     assert cache.read(entry, "k", 7, (3, 2, 2)) is None  # 7 files, 1 skipped: 6 rows expected
     assert sorted(p.name for p in tmp_path.iterdir()) == [entry.meta.name, entry.images.name]
+
+
+def test_a_process_that_waited_for_another_build_reads_it_instead_of_building(tmp_path):
+    """Catches parallel workers rebuilding one stale entry at once (issue 26's campaign: the
+    second's commit removed the first's metadata while the first read it back, "could not be
+    read back after writing", and the run failed). Another holder of the entry's lock builds
+    it while this call waits: this call must not build and must return the other's rows."""
+    entry = CacheEntry.locate(tmp_path / "cache", "folder", 2, tmp_path)
+    rows = np.arange(4 * 12, dtype=np.uint8).reshape(4, 3, 2, 2)
+    holding, built = threading.Event(), []
+
+    def other_process() -> None:
+        with FileLock(entry.lock):  # a second lock object: it excludes this one's like a process
+            holding.set()
+            time.sleep(0.3)
+            with CacheWriter(entry, (3, 2, 2)) as writer:
+                writer.append(rows)
+                writer.commit("k", n_sources=4, skipped={})
+
+    other = threading.Thread(target=other_process)
+    other.start()
+    holding.wait()
+    hit = cache.read_or_build(entry, "k", 4, (3, 2, 2), lambda writer: built.append(1) or {})
+    other.join()
+    assert built == []
+    assert np.array_equal(hit.images.numpy(), rows)
 
 
 def test_unwritable_cache_folder_is_a_data_error_naming_it(folder, tmp_path):

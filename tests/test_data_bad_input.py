@@ -216,7 +216,8 @@ def test_no_readable_image_at_all(tmp_path):
         f"{quoted(tmp_path / 'tiny_set' / 'a' / 'x' / '0.png')}",
     ):
         load(tmp_path, tmp_path, skip_corrupt=True)
-    assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+    left = (tmp_path / "cache").glob("*") if (tmp_path / "cache").exists() else []
+    assert [p for p in left if p.suffix != ".lock"] == []  # the empty lock file may stay
 
 
 def test_non_image_files_are_ignored_by_extension(tmp_path):

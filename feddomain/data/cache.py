@@ -13,7 +13,10 @@ anything else the rows depend on (``extra``: a tokenizer's fingerprint) and ever
 (relative path, size, mtime_ns), so adding, removing or replacing one file gives a new key and
 the entry is rebuilt. Both files are written atomically (temporary file,
 fsync, ``os.replace``), the metadata last; a reader trusts an entry only if its metadata matches
-the expected key and shape and the image file has exactly the expected byte count.
+the expected key and shape and the image file has exactly the expected byte count. Processes
+that miss one entry at once (a sweep's workers after the data changed) build it one at a time
+under a lock file beside it (``<stem>.lock``, ``filelock``): the later ones then read the first
+one's entry instead of decoding again and replacing it while the first reads it back.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock
 
 from feddomain.errors import DataError
 
@@ -81,6 +85,11 @@ class CacheEntry:
     images: Path
     meta: Path
 
+    @property
+    def lock(self) -> Path:
+        """The file whose lock a process holds while it builds the entry."""
+        return self.meta.with_suffix(".lock")
+
     @classmethod
     def locate(
         cls,
@@ -116,11 +125,14 @@ def read(
     n_sources: int,
     item_shape: Sequence[int],
     dtype: np.dtype | type = np.uint8,
+    *,
+    quiet: bool = False,
 ) -> CachedImages | None:
     """The cached images if ``entry`` is complete and was built for ``key``, else None.
 
     A missing entry is a plain miss; an entry that exists but is unreadable, stale or truncated is
-    reported with a warning naming the file and treated as a miss, so the caller rebuilds it.
+    reported with a warning naming the file (unless ``quiet``: already reported) and treated as a
+    miss, so the caller rebuilds it.
     The file is mapped copy-on-write: the file itself is opened read-only, yet the tensor is
     writable in memory, so downstream code may modify or ``.float()`` it without touching disk.
     """
@@ -129,10 +141,12 @@ def read(
     try:
         meta = json.loads(entry.meta.read_text())
     except (OSError, ValueError) as exc:
-        log.warning("cache metadata %s is unreadable (%s); rebuilding", entry.meta, exc)
+        if not quiet:
+            log.warning("cache metadata %s is unreadable (%s); rebuilding", entry.meta, exc)
         return None
     if not isinstance(meta, dict) or meta.get("key") != key:
-        log.warning("cache entry %s is stale (its image files changed); rebuilding", entry.meta)
+        if not quiet:
+            log.warning("cache entry %s is stale (its image files changed); rebuilding", entry.meta)
         return None
     dtype = np.dtype(dtype)
     problem = _meta_problem(meta, n_sources, tuple(item_shape), dtype)
@@ -141,9 +155,10 @@ def read(
         if size != meta["nbytes"]:
             problem = f"it has {size} bytes, expected {meta['nbytes']}"
     if problem is not None:
-        log.warning(
-            "cache entry %s does not match its metadata (%s); rebuilding", entry.images, problem
-        )
+        if not quiet:
+            log.warning(
+                "cache entry %s does not match its metadata (%s); rebuilding", entry.images, problem
+            )
         return None
     shape = tuple(meta["shape"])
     array = np.memmap(entry.images, dtype=dtype, mode="c", shape=shape)
@@ -241,6 +256,47 @@ class CacheWriter:
             self._file.close()
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)
+
+
+def read_or_build(
+    entry: CacheEntry,
+    key: str,
+    n_sources: int,
+    item_shape: Sequence[int],
+    build: Callable[[CacheWriter], dict[str, str]],
+    dtype: np.dtype | type = np.uint8,
+) -> CachedImages:
+    """The entry for ``key``, read, or built by ``build`` (it appends every row to the writer
+    and returns the source files it skipped as unreadable) when missing or stale. The build
+    runs under the entry's lock, and the entry is read once more once the lock is held: a
+    process that waited for another's build reads that one instead of building its own."""
+    hit = read(entry, key, n_sources, item_shape, dtype)
+    if hit is not None:
+        return hit
+    with _building(entry):
+        hit = read(entry, key, n_sources, item_shape, dtype, quiet=True)
+        if hit is None:
+            with CacheWriter(entry, item_shape, dtype) as writer:
+                writer.commit(key, n_sources, build(writer))
+            hit = read(entry, key, n_sources, item_shape, dtype)
+    if hit is None:
+        raise DataError(f"the cache entry {entry.images} could not be read back after writing")
+    return hit
+
+
+@contextlib.contextmanager
+def _building(entry: CacheEntry) -> Iterator[None]:
+    """Hold the entry's lock: one process at a time builds it."""
+    try:
+        entry.lock.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(entry.lock)
+        lock.acquire()
+    except OSError as exc:
+        raise _unwritable(entry.lock.parent, exc) from exc
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _create_tmp(target: Path) -> tuple[int, Path]:

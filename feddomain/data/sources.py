@@ -506,20 +506,18 @@ def load_indexed_images(
     item_shape = (3, resolution, resolution)
     key = cache.content_key(spec.name, resolution, index.domains, index.classes, index.files())
     entry = cache.CacheEntry.locate(cache_dir, spec.name, resolution, index.dataset_dir)
-    hit = cache.read(entry, key, len(index), item_shape)
-    if hit is None:
-        with cache.CacheWriter(entry, item_shape) as writer:
-            skipped = _decode_images(index, resolution, writer.append)
-            if len(skipped) == len(index):
-                path, why = next(iter(skipped.items()))
-                raise DataError(
-                    f"none of the {len(index)} image files in {index.dataset_dir} "
-                    f"can be decoded, e.g. {index.dataset_dir / path}: {why}"
-                )
-            writer.commit(key, len(index), skipped)
-        hit = cache.read(entry, key, len(index), item_shape)
-        if hit is None:
-            raise DataError(f"the cache entry {entry.images} could not be read back after writing")
+
+    def decode(writer: cache.CacheWriter) -> dict[str, str]:
+        skipped = _decode_images(index, resolution, writer.append)
+        if len(skipped) == len(index):
+            path, why = next(iter(skipped.items()))
+            raise DataError(
+                f"none of the {len(index)} image files in {index.dataset_dir} "
+                f"can be decoded, e.g. {index.dataset_dir / path}: {why}"
+            )
+        return skipped
+
+    hit = cache.read_or_build(entry, key, len(index), item_shape, decode)
     if hit.skipped:
         _report_corrupt(index.dataset_dir, hit.skipped, skip_corrupt)
     keep = np.array([p not in hit.skipped for p in index.paths], dtype=bool)

@@ -275,21 +275,18 @@ def _cached_ids(
     entry = cache.CacheEntry.locate(
         cache_dir, f"{spec.name}-{tokenizer.name}", max_length, index.dataset_dir, unit="tok"
     )
-    shape = (max_length,)
-    hit = cache.read(entry, key, len(index.paths), shape, np.int32)
-    if hit is None:
+
+    def tokenise(writer: cache.CacheWriter) -> dict[str, str]:
         if not index.paths:
             raise DataError(f"{index.dataset_dir} holds no text samples")
         log.info("tokenising %d texts of %s", len(index.paths), index.dataset_dir)
-        with cache.CacheWriter(entry, shape, np.int32) as writer:
-            for start in range(0, len(index.paths), ENCODE_CHUNK):
-                texts = _texts(index, start, start + ENCODE_CHUNK)
-                writer.append(tokenizer.encode(texts, max_length).astype(np.int32, copy=False))
-            writer.commit(key, len(index.paths), {})
-        hit = cache.read(entry, key, len(index.paths), shape, np.int32)
-        if hit is None:
-            raise DataError(f"the cache entry {entry.images} could not be read back after writing")
-    return hit.images
+        for start in range(0, len(index.paths), ENCODE_CHUNK):
+            texts = _texts(index, start, start + ENCODE_CHUNK)
+            writer.append(tokenizer.encode(texts, max_length).astype(np.int32, copy=False))
+        return {}
+
+    shape = (max_length,)
+    return cache.read_or_build(entry, key, len(index.paths), shape, tokenise, np.int32).images
 
 
 def _texts(index: TextIndex, start: int, stop: int) -> list[str]:
