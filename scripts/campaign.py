@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -815,4 +816,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # every finished run and trial is on disk; the rest resumes
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
