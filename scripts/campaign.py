@@ -597,7 +597,8 @@ def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
 
 def confirmations(out: Path, profile: str) -> tuple[dict[str, Path], dict[str, str]]:
     """The profile's complete confirmations (label -> its confirm folder: every seed on every
-    target finished) and, for the others begun, how far they are."""
+    target finished) and, for the others begun, how far they are: the tune's closed trials
+    (every target finished), then the confirmation's runs."""
     from feddomain.config import load_config
     from feddomain.sweep import split_targets
 
@@ -611,7 +612,20 @@ def confirmations(out: Path, profile: str) -> tuple[dict[str, Path], dict[str, s
             done[label] = confirm
         else:
             progress[label] = f"{label} confirming ({finished} of {planned} runs)"
+    for trials in sorted((out / profile).glob("*/trials")):
+        label = trials.parent.name
+        if label not in done and label not in progress:
+            closed = sum(_trial_closed(trial, len(targets)) for trial in trials.iterdir())
+            progress[label] = f"{label} tuning ({closed} of {TRIALS} trials)"
     return done, progress
+
+
+def _trial_closed(trial: Path, targets: int) -> bool:
+    """Whether every target's run of a trial has finished (or diverged: an outcome)."""
+    from feddomain.sweep import found
+
+    runs = [run for run in trial.iterdir() if run.is_dir()]
+    return len(runs) == targets and all(found(run) in ("finished", "diverged") for run in runs)
 
 
 def profile_section(out: Path, profile: str, result: Report) -> list[str]:

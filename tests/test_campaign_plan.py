@@ -148,7 +148,8 @@ def test_the_report_rewrites_only_what_lies_between_the_markers_of_the_results_p
 
 def test_a_confirmation_counts_only_once_every_seed_and_target_has_finished(tmp_path):
     """Catches a verdict printed from a confirmation still running (two of twelve runs gave
-    the first table an interval 28 points wide)."""
+    the first table an interval 28 points wide), and a tune under way reported as not started
+    or with a trial counted before all its targets have finished."""
     confirm = tmp_path / "pacs-effnet-frozen" / "fedvr" / "confirm"
     targets = ("art_painting", "cartoon", "photo", "sketch")
     for seed in (0, 1, 2):
@@ -161,6 +162,17 @@ def test_a_confirmation_counts_only_once_every_seed_and_target_has_finished(tmp_
     assert done == {} and progress == {"fedvr": "fedvr confirming (11 of 12 runs)"}
     (runs[-1] / "summary.json").write_text("{}")
     assert CAMPAIGN.confirmations(tmp_path, "pacs-effnet-frozen")[0] == {"fedvr": confirm}
+    trials = tmp_path / "pacs-effnet-frozen" / "fedsr" / "trials"
+    # 001: one run still going; 002: two runs finished, the other two not yet begun
+    for trial, begun, finished in (
+        ("000", targets, targets), ("001", targets, targets[:3]), ("002", targets[:2], targets[:2])
+    ):
+        for target in begun:
+            (trials / trial / f"lodo-{target}").mkdir(parents=True)
+        for target in finished:
+            (trials / trial / f"lodo-{target}" / "summary.json").write_text("{}")
+    progress = CAMPAIGN.confirmations(tmp_path, "pacs-effnet-frozen")[1]
+    assert progress == {"fedsr": "fedsr tuning (1 of 6 trials)"}
 
 
 def _run(label: str, rejected: int, merges: list[dict], seconds: dict | None = None):
