@@ -131,22 +131,21 @@ def read(
     """The cached images if ``entry`` is complete and was built for ``key``, else None.
 
     A missing entry is a plain miss; an entry that exists but is unreadable, stale or truncated is
-    reported with a warning naming the file (unless ``quiet``: already reported) and treated as a
-    miss, so the caller rebuilds it.
+    reported with a warning naming the file (a debug line if ``quiet``: already reported) and
+    treated as a miss, so the caller rebuilds it.
     The file is mapped copy-on-write: the file itself is opened read-only, yet the tensor is
     writable in memory, so downstream code may modify or ``.float()`` it without touching disk.
     """
     if not entry.meta.exists():
         return None
+    report = log.debug if quiet else log.warning
     try:
         meta = json.loads(entry.meta.read_text())
     except (OSError, ValueError) as exc:
-        if not quiet:
-            log.warning("cache metadata %s is unreadable (%s); rebuilding", entry.meta, exc)
+        report("cache metadata %s is unreadable (%s); rebuilding", entry.meta, exc)
         return None
     if not isinstance(meta, dict) or meta.get("key") != key:
-        if not quiet:
-            log.warning("cache entry %s is stale (its image files changed); rebuilding", entry.meta)
+        report("cache entry %s is stale (its image files changed); rebuilding", entry.meta)
         return None
     dtype = np.dtype(dtype)
     problem = _meta_problem(meta, n_sources, tuple(item_shape), dtype)
@@ -155,10 +154,7 @@ def read(
         if size != meta["nbytes"]:
             problem = f"it has {size} bytes, expected {meta['nbytes']}"
     if problem is not None:
-        if not quiet:
-            log.warning(
-                "cache entry %s does not match its metadata (%s); rebuilding", entry.images, problem
-            )
+        report("cache entry %s does not match its metadata (%s); rebuilding", entry.images, problem)
         return None
     shape = tuple(meta["shape"])
     array = np.memmap(entry.images, dtype=dtype, mode="c", shape=shape)
