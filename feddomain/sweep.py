@@ -39,6 +39,7 @@ from rich.table import Table
 
 from feddomain.config import ExperimentConfig, config_differences, load_config, validate_config
 from feddomain.errors import DIVERGED_RECORD, ConfigError, FeddomainError
+from feddomain.lifetime import die_with_parent
 from feddomain.progress import CampaignProgress, duration
 
 ERROR_LOG = "error.log"  # the traceback of a failed run, in its directory
@@ -449,12 +450,13 @@ def _init_worker(parent: int, events: Any, slots: Any = None) -> None:
     # after another (apply_determinism sets it too late there); harmless for the others
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
 def _exit_with_parent(parent: int) -> None:
-    """An orphaned worker would keep writing into a run directory that a rerun of the sweep
-    takes over; this one exits within 0.1 s of its parent's death (it is re-parented)."""
+    """The watch where the kernel has none (off Linux), and for a parent that died before
+    ``die_with_parent``: exit within 0.1 s of being re-parented."""
     while os.getppid() == parent:
         time.sleep(0.1)
     os._exit(1)

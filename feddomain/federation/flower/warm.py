@@ -17,12 +17,9 @@ feddomain at the same version. Linux/macOS only (``fork``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import json
 import os
-import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
@@ -44,9 +41,9 @@ import feddomain.federation.flower.server  # noqa: F401 - warm-up: torch, models
 from feddomain.data.cache import write_atomic
 from feddomain.federation.flower.deploy import READY
 from feddomain.federation.flower.supernode import cap_pull_backoff
+from feddomain.lifetime import die_with_parent
 
 WARM_TASKS = (TaskType.CLIENT_APP, TaskType.SERVER_APP)
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ForkExecutor(SubprocessExecutor):
@@ -62,7 +59,7 @@ class ForkExecutor(SubprocessExecutor):
         if pid == 0:  # the child runs one task and never returns into the loop
             code = 1
             try:
-                _die_with_parent()
+                die_with_parent()  # elsewhere Flower's parent_pid monitor ends it
                 run_task(spec)
                 code = 0
             except SystemExit as done:
@@ -81,14 +78,6 @@ class ForkExecutor(SubprocessExecutor):
                 finished = pid
             if finished:
                 self.children.discard(pid)
-
-
-def _die_with_parent() -> None:
-    """A task must not outlive the executor that forked it (e.g. its node was killed): on
-    Linux the kernel sends it SIGKILL when the parent exits; elsewhere Flower's own
-    parent-process monitor (``parent_pid``) ends it."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def run_task(spec: ExecutionSpec) -> None:
@@ -149,7 +138,7 @@ def serve(targets: list[Target]) -> None:
     for target in targets[1:]:
         if os.fork() == 0:
             try:
-                _die_with_parent()
+                die_with_parent()
                 _serve_one(target)
             finally:
                 os._exit(0)
