@@ -22,15 +22,27 @@ def main() -> int:
     try:
         from feddomain.cli import main as cli_main
 
-        return cli_main()
+        status = cli_main()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        status = 130
     except Exception as err:
         if not _from_interrupt(err):
             raise
         print("interrupted", file=sys.stderr)  # a library turned the interrupt into its error
-        return 130
+        status = 130
+    if status == 130:
+        _forget_handled_interrupt()
+    return status
+
+
+def _forget_handled_interrupt() -> None:
+    """Exit with 130, not by SIGINT. CPython marks a KeyboardInterrupt raised inside ``exec``
+    of a string (a dataclass being built during a library's lazy import, e.g. torch._dynamo at
+    the first optimizer) as unhandled even though the CLI handled it, and ends a
+    ``python -m feddomain`` process by re-raising SIGINT after the exit; executing any string
+    clears that mark."""
+    exec("pass")
 
 
 def _from_interrupt(err: BaseException) -> bool:
