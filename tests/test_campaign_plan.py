@@ -58,6 +58,31 @@ def test_every_claim_names_methods_of_its_profile_and_a_reported_metric():
     assert all(claim in CAMPAIGN.CLAIMS[profile] for profile, claim in CAMPAIGN.WHY)
 
 
+def _federation(profile: str, label: str) -> dict:
+    """What a row's clients see of the federation: data split, partition, participation, rounds
+    and local epochs (a variant: its base's overrides, then its change)."""
+    overrides = {(p, m): o for p, m, o in PLAN}
+    base, change = CAMPAIGN.VARIANTS.get(profile, {}).get(label, (label, ()))
+    config = ROOT / CAMPAIGN.PROFILES[profile][0]
+    cfg = load_config(config, ["dataset.root=/data", *overrides[profile, base], *change])
+    return {
+        "split": cfg.split, "partition": cfg.partition, "topology": cfg.topology,
+        "rounds": cfg.rounds, "local_epochs": cfg.train.local_epochs,
+    }  # fmt: skip
+
+
+def test_every_claim_compares_rows_trained_in_the_same_federation():
+    """Catches a claim whose rows differ in how they are federated rather than in the method:
+    the plan compared FISC at its paper's 50% client sampling with FedAvg, CCST and the other
+    baselines at 100% (half the client updates a round against all of them)."""
+    for profile, claims in CAMPAIGN.CLAIMS.items():
+        for claim in claims:
+            first, *others = ClaimSpec.parse(claim).rows
+            federation = _federation(profile, first)
+            for other in others:
+                assert _federation(profile, other) == federation, (profile, claim, other)
+
+
 VARIANTS = [(p, label) for p, variants in CAMPAIGN.VARIANTS.items() for label in variants]
 
 
