@@ -14,10 +14,8 @@ import sys
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when the thread that started it exits; True where
-    it does (Linux), False elsewhere (the caller then needs its own watch on the parent)."""
-    if sys.platform != "linux":
-        return False
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    return True
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the thread that started it exits (Linux;
+    elsewhere nothing happens and the caller keeps its own watch on the parent)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

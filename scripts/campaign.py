@@ -176,6 +176,7 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
 }
 
 
+BN_PROFILES = ("digits3-bn-lam1.0", "digits3-bn-lam0.1", "pacs-effnet-tail")
 # FedFD's own ablations at its selected configuration (fedfda.md §7): the mixing weight u in
 # training (random u ~ U(0, 1) is FedFD), and the statistics at test time (global is FedFD)
 FEDFD_VARIANTS = {
@@ -208,10 +209,7 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedvr_parameter_average": ("fedvr", ("algorithm.ood_model=parameter_average",)),
         "fedvr_mean_embedding": ("fedvr", ("algorithm.ood_model=mean_embedding",)),
     },
-    **{
-        profile: FEDFD_VARIANTS
-        for profile in ("digits3-bn-lam1.0", "digits3-bn-lam0.1", "pacs-effnet-tail")
-    },
+    **{profile: FEDFD_VARIANTS for profile in BN_PROFILES},
 }
 # (profile, variant) -> (method, keys): values a variant takes from another method's selection
 # on the same profile, rounded to 3 significant figures (as its committed runs were made)
@@ -738,8 +736,8 @@ def _tuning_row(out: Path, profile: str, label: str) -> str:
     if base != label and rescored(profile, label):
         trials = "variant, rescored"
     value = "—" if base != label else f"{100 * selected['selected']['value']:.1f}"
-    time = f"{hours:.2f} h ({len(runs)} runs)"
-    return f"| {label} | {chosen} | {fixed} | {trials} | {value} | {time} |"
+    run_time = f"{hours:.2f} h ({len(runs)} runs)"
+    return f"| {label} | {chosen} | {fixed} | {trials} | {value} | {run_time} |"
 
 
 def _short(override: str) -> str:

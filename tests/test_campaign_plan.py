@@ -58,13 +58,15 @@ def test_every_claim_names_methods_of_its_profile_and_a_reported_metric():
     assert all(claim in CAMPAIGN.CLAIMS[profile] for profile, claim in CAMPAIGN.WHY)
 
 
+TUNE_OVERRIDES = {(profile, label): overrides for profile, label, overrides in PLAN}
+
+
 def _federation(profile: str, label: str) -> dict:
     """What a row's clients see of the federation: data split, partition, participation, rounds
     and local epochs (a variant: its base's overrides, then its change)."""
-    overrides = {(p, m): o for p, m, o in PLAN}
     base, change = CAMPAIGN.VARIANTS.get(profile, {}).get(label, (label, ()))
     config = ROOT / CAMPAIGN.PROFILES[profile][0]
-    cfg = load_config(config, ["dataset.root=/data", *overrides[profile, base], *change])
+    cfg = load_config(config, ["dataset.root=/data", *TUNE_OVERRIDES[profile, base], *change])
     return {
         "split": cfg.split, "partition": cfg.partition, "topology": cfg.topology,
         "rounds": cfg.rounds, "local_epochs": cfg.train.local_epochs,
