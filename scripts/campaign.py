@@ -12,8 +12,9 @@ summary and config); checkpoints and per-round logs stay out of git (its ``.giti
 The order puts the most claims per core-hour first (docs/performance.md, "The reproduction
 campaign's cost"): the frozen-feature profile (its cheap methods before FedSAM, FPL and FedSR),
 then `digits3-bn` at both lambdas (about 30 core-hours and 20 claims each), the stations
-profiles (about 25 and 7 claims each), hFedF's own CNN regime, and the Lite0 tail last (a GPU's
-work). The first 13 tunes fit about 12 hours of a 2-core machine; the whole plan takes several
+profiles (about 25 and 7 claims each), the Lite0 tail cut after group 6 (about 70 core-hours and
+16 claims over its two federations), and hFedF's own CNN regime last (60-96 core-hours, 7
+claims). The first 13 tunes fit about 12 hours of a 2-core machine; the whole plan takes several
 hundred core-hours.
 
     python scripts/campaign.py --data ~/data                       # everything, in order
@@ -44,6 +45,7 @@ MARKER_END = "<!-- end -->"
 TRIALS = 6
 SEEDS = (0, 1, 2)
 
+TAIL_CUT = "model.frozen_prefix=6"
 # profile -> (config, overrides every method of it shares)
 PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pacs-effnet-frozen": ("configs/protocols/pacs-effnet-frozen.yaml", ()),
@@ -65,21 +67,25 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
         )
         for lam in ("1.0", "0.1")
     },
-    # no final states kept: a hypernetwork generating the 0.93 M-parameter CNN is 46 M
-    # parameters (hidden 50), with its Adam moments about 0.6 GB a run, and the tunes' 96 runs
-    # would fill the disk; the campaign never extends a run
-    "pacs-hfedf-cnn": ("configs/protocols/pacs-hfedf-cnn.yaml", ("checkpoint.keep_final=false",)),
-    "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", ()),
+    # the tail cut after group 6: group 7 and the head train (4 BatchNorm layers, on 4x4 maps, at
+    # momentum 0.1); cut after group 5 (the profile's default, 16 BatchNorm layers) a tune costs
+    # 23-47 core-hours on this CPU instead of 5-8 (docs/performance.md): a GPU's cut
+    "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", (TAIL_CUT,)),
     # FISC's own federation (its paper): 100 lambda clients, 20% sampled each round
     "pacs-effnet-tail-lam0.1": (
         "configs/protocols/pacs-effnet-tail.yaml",
         (
+            TAIL_CUT,
             "partition.name=lambda",
             "partition.n_clients=100",
             "partition.lam=0.1",
             "topology.sample_fraction=0.2",
         ),
     ),
+    # no final states kept: a hypernetwork generating the 0.93 M-parameter CNN is 46 M
+    # parameters (hidden 50), with its Adam moments about 0.6 GB a run, and the tunes' 96 runs
+    # would fill the disk; the campaign never extends a run
+    "pacs-hfedf-cnn": ("configs/protocols/pacs-hfedf-cnn.yaml", ("checkpoint.keep_final=false",)),
 }
 
 # profile -> {label: (method, overrides its protocol needs)}: the claims of issue 26, cheap
@@ -154,7 +160,8 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
     },
     "pacs-effnet-tail": {
         **_plain("fedavg", "fedbn", "silobn"),
-        "mixstyle": ("mixstyle", ("algorithm.blocks=[6]",)),  # stages 1-5 are the frozen prefix
+        # after stage 6, as cut after group 5: here the cut's output, the tail's input
+        "mixstyle": ("mixstyle", ("algorithm.blocks=[6]",)),
         **_plain("fedsam", "feddg_ga"),
         "fedfd": ("fedfd", (*FEDFD_MEAN_CAFL, *KEEP_EVALUATED)),
         "fedfd_a": ("fedfd_a", FEDFD_MEAN_CAFL),
@@ -416,12 +423,6 @@ WHY: dict[tuple[str, str], str] = {
     ("pacs-effnet-frozen", "fedvr > fedvr_no_var"): "the regulariser has no loss gap to act on "
     "(the clients' losses ~0.003 after round 150, the row below)",
 }
-# profiles whose claims wait for a GPU (on one, `--profiles` runs them: device auto), with what
-# they cost on the 2-core CPU machine (docs/performance.md)
-GPU_WORK = dict.fromkeys(
-    ("pacs-effnet-tail", "pacs-effnet-tail-lam0.1"),
-    "a GPU (the two tail federations: about 300 core-hours on this CPU)",
-)
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
     ("hFedF, FedVR, FedFD: Office-Home and VLCS tables; FISC: Office-Home, IWildCam",
@@ -433,7 +434,8 @@ NOT_TESTED: tuple[tuple[str, str], ...] = (
      "a timing, not a paired accuracy: each stations profile's mechanism table gives its "
      "worst run's server merge as a share of a round"),
     ("HFedATM on conv stations (`pacs-effnet-tail`), Amazon Reviews (+7.5-12.4), DP",
-     "the tail costs 5-47 core-hours per tune here; no review data or text model offline"),
+     "its six tunes per lambda on the tail would add about 70 core-hours to the campaign here (5-8 "
+     "per tune even cut after group 6); no review data or text model offline"),
     ("FISC: leave-two-domains-out schemes (Tables 1, 6, 7, 10)",
      "tested leave-one-domain-out on digits3-bn and the tail; the schemes run with "
      "`feddomain reproduce fisc`"),
@@ -588,8 +590,6 @@ def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
             continue
         waiting = [progress.get(label, f"{label} not started") for label in spec.rows
                    if label not in done]  # fmt: skip
-        if profile in GPU_WORK and not progress:
-            waiting = [GPU_WORK[profile]]
         rows.append(f"{claim} waits: {'; '.join(waiting)} | | | |")
     return rows, section
 

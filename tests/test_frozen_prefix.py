@@ -4,6 +4,7 @@ cache is recomputed whenever anything the maps depend on changes."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -159,8 +160,11 @@ def test_variant_maps_are_the_prefix_of_the_changed_images(tmp_path) -> None:
         ({"model__frozen_prefix": 3}, "model.frozen_prefix"),
         ({"model__name": "lenet5"}, "model.frozen_prefix"),
         ({"model__frozen": True}, "frozen_prefix"),
-        ({"algorithm__name": "mixstyle", "algorithm__blocks": [1, 2]}, "inside the frozen prefix"),
-        ({"algorithm__name": "mixstyle"}, "inside the frozen prefix"),
+        (
+            {"model__frozen_prefix": 2, "algorithm__name": "mixstyle", "algorithm__blocks": [1, 2]},
+            "inside the frozen prefix",
+        ),
+        ({"model__frozen_prefix": 2, "algorithm__name": "mixstyle"}, "inside the frozen prefix"),
         ({"algorithm__name": "fisc", "model__prefix_cache": False}, "model.prefix_cache"),
         ({"algorithm__name": "ccst", "train__precise_bn": True}, "train.precise_bn"),
     ],
@@ -180,6 +184,30 @@ def test_mixstyle_after_the_prefix_acts_on_the_tail(tmp_path) -> None:
     sim = run_sim(cfg.model_copy(update={"rounds": 1}), tmp_path / "run")
     hooked = [n for n, m in sim.model.named_modules() if m._forward_hooks]
     assert hooked == ["featurizer.1"]
+
+
+def test_mixstyle_at_the_cut_mixes_the_tails_input_as_the_whole_model_would() -> None:
+    """Catches MixStyle at a frozen prefix's last stage (``blocks: [k]`` with ``frozen_prefix:
+    k``) refused, hooked after a later stage or left out of the tail: with the same weights and
+    draws, tail(prefix(x)) in training equals the whole model with MixStyle after stage k, and
+    differs from the model without it. GroupNorm: no batch statistics for the frozen prefix's
+    eval mode to change."""
+    from feddomain.algorithms.mixstyle import MixStyleHparams, insert_mixstyle
+
+    hp = MixStyleHparams(p=1.0, alpha=0.3, blocks=(1,))
+    torch.manual_seed(0)
+    plain = build_model("small_cnn", 4, resolution=32, norm="group")
+    prefix, tail = split_at(copy.deepcopy(plain), 1)
+    whole = insert_mixstyle(copy.deepcopy(plain), hp)
+    tail = insert_mixstyle(tail, hp)
+    x = torch.randn(6, 3, 32, 32)
+    outputs = []
+    for model, inputs in ((whole, x), (tail, prefix(x)), (plain, x)):
+        torch.manual_seed(1)
+        outputs.append(model.train()(inputs))
+    mixed_whole, mixed_tail, unmixed = outputs
+    torch.testing.assert_close(mixed_tail, mixed_whole, **F32_TOL)
+    assert (mixed_whole - unmixed).abs().max() > 1e-2
 
 
 def test_lite0_bn_momentum_option_sets_every_batchnorm() -> None:

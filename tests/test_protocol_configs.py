@@ -141,11 +141,13 @@ def test_pacs_effnet_frozen_profile() -> None:
     profile("pacs-effnet-frozen", "algorithm=scaffold", "train.momentum=0")
 
 
-def test_pacs_effnet_tail_profile(efficientnet_extra) -> None:
-    """Catches a tail profile off its protocol: Lite0 at 128 px, every BatchNorm momentum 0.1,
-    a frozen, cached prefix, every trained BatchNorm layer on maps of at least 4x4 (16 values),
-    no augmentation; MixStyle only after a trained stage."""
-    cfg = profile("pacs-effnet-tail")
+@pytest.mark.parametrize("cut", [(), ("model.frozen_prefix=6",)], ids=["default", "campaign"])
+def test_pacs_effnet_tail_profile(efficientnet_extra, cut) -> None:
+    """Catches a tail profile off its protocol, at its own cut and at the campaign's (after
+    group 6): Lite0 at 128 px, every BatchNorm momentum 0.1, a frozen, cached prefix, every
+    trained BatchNorm layer on maps of at least 4x4 (16 values), no augmentation; MixStyle after
+    stage 6 (the campaign's row), a trained stage or the cut."""
+    cfg = profile("pacs-effnet-tail", *cut)
     assert cfg.dataset.resolution == 128 and cfg.model.prefix_cache
     assert cfg.model.frozen_prefix is not None and cfg.train.augment.hflip is False
     torch.manual_seed(0)
@@ -165,8 +167,8 @@ def test_pacs_effnet_tail_profile(efficientnet_extra) -> None:
         tail.eval()(prefix(torch.randn(1, 3, 128, 128)))
     assert len(seen) >= 4 and all(h * w >= 16 for h, w in seen.values()), seen
     for method in ("fedbn", "silobn", "fedfd", "fedfd_a", "fedsam", "feddg_ga"):
-        profile("pacs-effnet-tail", f"algorithm={method}")
-    profile("pacs-effnet-tail", "algorithm=mixstyle", "algorithm.blocks=[6]")
+        profile("pacs-effnet-tail", *cut, f"algorithm={method}")
+    profile("pacs-effnet-tail", *cut, "algorithm=mixstyle", "algorithm.blocks=[6]")
 
 
 def test_pacs_hfedf_cnn_profile() -> None:

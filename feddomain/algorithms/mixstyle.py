@@ -25,7 +25,11 @@ rule (early layers carry style, the last one semantics; for ResNet-18 that is re
 paper's choice): after conv blocks 1 and 2 of ``small_cnn``'s 3, after conv block 1
 (conv1-tanh-pool1) of ``lenet5``'s 2, after layer1-layer3 of ResNet, after block groups 1-6 of
 EfficientNet-Lite0's 7 (``blocks: [2, 3, 4]`` matches ResNet's res1-res3 in resolution). A model
-declaring no stages (a frozen-feature head) or too few is refused when the config loads.
+declaring no stages (a frozen-feature head) or too few is refused when the config loads. On the
+trainable tail of a model cut after stage k (``model.frozen_prefix: k``), MixStyle may follow
+stage k: the output of the cut is the tail's input (the cached map), so the layer mixes it as the
+tail's featurizer reads it (a forward pre-hook), at the same place in the network as on the whole
+model; a stage before k lies inside the cached prefix and is refused.
 
 Hyper-parameters: p = 0.5, α = 0.1 (the paper's defaults), ε = 1e-6 (its code's). The variance
 is the paper's (Eq. 2: biased, 1/(HW)·Σ(x − μ)²); its code's unbiased ``torch.var`` scales every
@@ -116,9 +120,17 @@ class MixStyle(nn.Module):
         """Forward hook: MixStyle applied to ``module``'s output."""
         return self(output)
 
+    def before(self, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """Forward pre-hook: MixStyle applied to ``module``'s input."""
+        return (self(inputs[0]), *inputs[1:])
+
+
+AT_THE_CUT = ""  # chosen_stages' name for the stage a frozen prefix ends with (the tail's input)
+
 
 def chosen_stages(model: nn.Module, hp: MixStyleHparams) -> tuple[str, ...]:
-    """The names of the stages MixStyle follows in ``model``; ConfigError if it cannot."""
+    """The names of the stages MixStyle follows in ``model`` (``AT_THE_CUT`` for the last stage
+    of its frozen prefix); ConfigError if it cannot."""
     problem = stage_problem(model, hp)
     if problem:
         raise ConfigError(f"mixstyle {problem}")
@@ -126,7 +138,7 @@ def chosen_stages(model: nn.Module, hp: MixStyleHparams) -> tuple[str, ...]:
     if hp.blocks is None:
         return stages[:-1]
     cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail numbers stages on from it
-    return tuple(stages[b - cut - 1] for b in hp.blocks)
+    return tuple(AT_THE_CUT if b == cut else stages[b - cut - 1] for b in hp.blocks)
 
 
 def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
@@ -135,12 +147,12 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
     blocks = getattr(hp, "blocks", None)
     known = "small_cnn, lenet5, resnet18, resnet50 and efficientnet_lite0 declare them; not frozen"
     cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail: the model's stages cut+1..
-    inside = [b for b in blocks or range(1, cut + len(stages)) if b <= cut]
+    inside = [b for b in blocks or range(1, cut + len(stages)) if b < cut]
     if inside:
         return (
             f"has MixStyle after stages {inside}, inside the frozen prefix "
             f"(model.frozen_prefix = {cut}): its random mixing there cannot be cached; set "
-            f"algorithm.blocks to stages after {cut}"
+            f"algorithm.blocks to stage {cut} (the tail's input) or later"
         )
     if not stages:
         return (
@@ -162,13 +174,18 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
 
 
 def insert_mixstyle(model: nn.Module, hp: Hparams) -> nn.Module:
-    """The model hook: a MixStyle layer after each chosen stage (a forward hook; the layers are
-    kept in ``model.mixstyle`` so that ``train()``/``eval()`` reach them; no arrays added)."""
+    """The model hook: a MixStyle layer after each chosen stage (a forward hook; at a frozen
+    prefix's cut a pre-hook on the featurizer). The layers are kept in ``model.mixstyle`` so that
+    ``train()``/``eval()`` reach them; no arrays added."""
     assert isinstance(hp, MixStyleHparams)
     layers = nn.ModuleList()
     for name in chosen_stages(model, hp):
-        layer = MixStyle(hp.p, hp.alpha, hp.eps, where=f"MixStyle after {name!r}")
-        model.get_submodule(name).register_forward_hook(layer.after)
+        if name == AT_THE_CUT:  # hooked on the featurizer, which every method's forward reads
+            layer = MixStyle(hp.p, hp.alpha, hp.eps, where="MixStyle on the tail's input")
+            model.featurizer.register_forward_pre_hook(layer.before)
+        else:
+            layer = MixStyle(hp.p, hp.alpha, hp.eps, where=f"MixStyle after {name!r}")
+            model.get_submodule(name).register_forward_hook(layer.after)
         layers.append(layer)
     model.mixstyle = layers
     return model
