@@ -11,11 +11,12 @@ summary and config); checkpoints and per-round logs stay out of git (its ``.giti
 
 The order puts the most claims per core-hour first (docs/performance.md, "The reproduction
 campaign's cost"): the frozen-feature profile (its cheap methods before FedSAM, FPL and FedSR),
-then `digits3-bn` at both lambdas (about 30 core-hours and 20 claims each), the stations
-profiles (about 25 and 7 claims each), the Lite0 tail cut after group 6 (about 70 core-hours and
-16 claims over its two federations), and hFedF's own CNN regime last (60-96 core-hours, 7
-claims). The first 13 tunes fit about 12 hours of a 2-core machine; the whole plan takes several
-hundred core-hours.
+then `digits3-bn` at lambda 0.1, the stations at lambda 1.0, `digits3-bn` at 1.0 and the
+stations at 0.1 (about 30 core-hours and 20 claims per `digits3-bn` lambda, 25 and 9 per
+stations lambda), the Lite0 tail cut after group 6 (about 70 core-hours and 16 claims over its
+two federations), and hFedF's own CNN regime last (60-96 core-hours, 7 claims). Each profile's
+variants run right after its tunes. The first 13 tunes fit about 12 hours of a 2-core machine;
+the whole plan takes several hundred core-hours.
 
     python scripts/campaign.py --data ~/data                       # everything, in order
     python scripts/campaign.py --data ~/data --profiles pacs-effnet-frozen --methods fedavg fedvr
@@ -46,27 +47,32 @@ TRIALS = 6
 SEEDS = (0, 1, 2)
 
 TAIL_CUT = "model.frozen_prefix=6"
-# profile -> (config, overrides every method of it shares)
+
+
+def _stations(lam: str) -> tuple[str, tuple[str, ...]]:
+    """HFedATM's hierarchy on the frozen profile: 12 lambda clients in 3 stations, 2 station
+    rounds per global round (100 global rounds: the profile's 200 rounds of local work)."""
+    return (
+        "configs/protocols/pacs-effnet-frozen.yaml",
+        (
+            "partition.name=lambda",
+            "partition.n_clients=12",
+            f"partition.lam={lam}",
+            "topology.stations=3",
+            "topology.station_rounds=2",
+            "rounds=100",
+        ),
+    )
+
+
+# profile -> (config, overrides every method of it shares), in campaign order: HFedATM's first
+# verdicts (stations, lambda 1.0) before digits3-bn at lambda 1.0, whose claims repeat 0.1's
 PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pacs-effnet-frozen": ("configs/protocols/pacs-effnet-frozen.yaml", ()),
     "digits3-bn-lam0.1": ("configs/protocols/digits3-bn.yaml", ("partition.lam=0.1",)),
+    "pacs-effnet-frozen-stations-lam1.0": _stations("1.0"),
     "digits3-bn-lam1.0": ("configs/protocols/digits3-bn.yaml", ("partition.lam=1.0",)),
-    # HFedATM's hierarchy on the frozen profile: 12 lambda clients in 3 stations, 2 station
-    # rounds per global round (100 global rounds: the profile's 200 rounds of local work)
-    **{
-        f"pacs-effnet-frozen-stations-lam{lam}": (
-            "configs/protocols/pacs-effnet-frozen.yaml",
-            (
-                "partition.name=lambda",
-                "partition.n_clients=12",
-                f"partition.lam={lam}",
-                "topology.stations=3",
-                "topology.station_rounds=2",
-                "rounds=100",
-            ),
-        )
-        for lam in ("1.0", "0.1")
-    },
+    "pacs-effnet-frozen-stations-lam0.1": _stations("0.1"),
     # the tail cut after group 6: group 7 and the head train (4 BatchNorm layers, on 4x4 maps, at
     # momentum 0.1); cut after group 5 (the profile's default, 16 BatchNorm layers) a tune costs
     # 23-47 core-hours on this CPU instead of 5-8 (docs/performance.md): a GPU's cut
@@ -805,30 +811,29 @@ def main() -> None:
             write_claims(args.out, table, [line for _, section in reports for line in section])
         print("\n".join(table))
         return
-    for profile, method, overrides in plan(args.profiles, args.methods):
-        config = ROOT / PROFILES[profile][0]
-        if args.list:
-            print(f"{profile:20s} {method:20s} {' '.join(overrides)}")
-            continue
-        if args.data is None:
-            ap.error("--data is required to run")
-        started = time.perf_counter()
-        tune(
-            config,
-            [f"dataset.root={args.data}", *overrides],
-            trials=TRIALS,
-            out=args.out / profile / method,
-            jobs=args.jobs,
-            confirm=SEEDS,
-        )
-        logging.info("%s %s: %.0f s", profile, method, time.perf_counter() - started)
-    for profile, label, base in variant_plan(args.profiles, args.methods):
-        if args.list:
-            print(f"{profile:20s} {label:20s} {base}'s selection, {variant_change(profile, label)}")
-            continue
-        if args.data is None:
-            ap.error("--data is required to run")
-        run_variant(args.out, profile, label, args.data, args.jobs)
+    if args.data is None and not args.list:
+        ap.error("--data is required to run")
+    for profile in args.profiles:  # a profile's tunes, then its variants, which read them
+        for _, method, overrides in plan([profile], args.methods):
+            if args.list:
+                print(f"{profile:20s} {method:20s} {' '.join(overrides)}")
+                continue
+            started = time.perf_counter()
+            tune(
+                ROOT / PROFILES[profile][0],
+                [f"dataset.root={args.data}", *overrides],
+                trials=TRIALS,
+                out=args.out / profile / method,
+                jobs=args.jobs,
+                confirm=SEEDS,
+            )
+            logging.info("%s %s: %.0f s", profile, method, time.perf_counter() - started)
+        for _, label, base in variant_plan([profile], args.methods):
+            if args.list:
+                change = variant_change(profile, label)
+                print(f"{profile:20s} {label:20s} {base}'s selection, {change}")
+                continue
+            run_variant(args.out, profile, label, args.data, args.jobs)
 
 
 if __name__ == "__main__":
