@@ -75,7 +75,7 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pacs-effnet-frozen-stations-lam0.1": _stations("0.1"),
     # the tail cut after group 6: group 7 and the head train (4 BatchNorm layers, on 4x4 maps, at
     # momentum 0.1); cut after group 5 (the profile's default, 16 BatchNorm layers) a tune costs
-    # 23-47 core-hours on this CPU instead of 5-8 (docs/performance.md): a GPU's cut
+    # 23-47 core-hours on this CPU instead of 4-11 (docs/performance.md): a GPU's cut
     "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", (TAIL_CUT,)),
     # FISC's own federation (its paper): 100 lambda clients, 20% sampled each round
     "pacs-effnet-tail-lam0.1": (
@@ -440,8 +440,8 @@ NOT_TESTED: tuple[tuple[str, str], ...] = (
      "a timing, not a paired accuracy: each stations profile's mechanism table gives its "
      "worst run's server merge as a share of a round"),
     ("HFedATM on conv stations (`pacs-effnet-tail`), Amazon Reviews (+7.5-12.4), DP",
-     "its six tunes per lambda on the tail would add about 70 core-hours to the campaign here (5-8 "
-     "per tune even cut after group 6); no review data or text model offline"),
+     "its six tunes per lambda on the tail would add about 70 core-hours to the campaign here "
+     "(4-11 per tune even cut after group 6); no review data or text model offline"),
     ("FISC: leave-two-domains-out schemes (Tables 1, 6, 7, 10)",
      "tested leave-one-domain-out on digits3-bn and the tail; the schemes run with "
      "`feddomain reproduce fisc`"),

@@ -186,6 +186,20 @@ def test_mixstyle_after_the_prefix_acts_on_the_tail(tmp_path) -> None:
     assert hooked == ["featurizer.1"]
 
 
+def test_mixstyle_by_default_on_a_tail_cut_after_stage_1_follows_the_whole_models_stages(
+    tmp_path,
+) -> None:
+    """Catches the default rule (every stage but the last) dropping the cut's stage on a tail:
+    small_cnn cut after stage 1 must mix the tail's input (stage 1's output) and after stage 2,
+    as the whole model would; cut after stage 2, the default reaches into the prefix (refused,
+    the test above)."""
+    cfg = _prefix_config(tmp_path, algorithm__name="mixstyle")
+    sim = run_sim(cfg.model_copy(update={"rounds": 1}), tmp_path / "run")
+    after = [n for n, m in sim.model.named_modules() if m._forward_hooks]
+    before = [n for n, m in sim.model.named_modules() if m._forward_pre_hooks]
+    assert (before, after) == (["featurizer"], ["featurizer.1"])
+
+
 def test_mixstyle_at_the_cut_mixes_the_tails_input_as_the_whole_model_would() -> None:
     """Catches MixStyle at a frozen prefix's last stage (``blocks: [k]`` with ``frozen_prefix:
     k``) refused, hooked after a later stage or left out of the tail: with the same weights and

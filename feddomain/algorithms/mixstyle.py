@@ -135,9 +135,9 @@ def chosen_stages(model: nn.Module, hp: MixStyleHparams) -> tuple[str, ...]:
     if problem:
         raise ConfigError(f"mixstyle {problem}")
     stages = tuple(getattr(model, "stages", ()))
-    if hp.blocks is None:
-        return stages[:-1]
     cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail numbers stages on from it
+    if hp.blocks is None:  # every stage but the last; cut after stage 1, that stage is the cut
+        return (AT_THE_CUT,) * (cut == 1) + stages[:-1]
     return tuple(AT_THE_CUT if b == cut else stages[b - cut - 1] for b in hp.blocks)
 
 
@@ -159,7 +159,7 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
             "inserts MixStyle after the model's convolutional stages, and this model declares "
             f"none ({known})"
         )
-    if blocks is None and len(stages) < 2:
+    if blocks is None and cut + len(stages) < 2:
         return (
             f"inserts MixStyle after every convolutional stage but the last, and this model has "
             f"only {len(stages)}: set algorithm.blocks"
