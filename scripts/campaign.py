@@ -11,12 +11,12 @@ summary and config); checkpoints and per-round logs stay out of git (its ``.giti
 
 The order puts the most claims per core-hour first (docs/performance.md, "The reproduction
 campaign's cost"): the frozen-feature profile (its cheap methods before FedSAM, FPL and FedSR),
-then `digits3-bn` at lambda 0.1, the stations at lambda 1.0, `digits3-bn` at 1.0 and the
-stations at 0.1 (about 30 core-hours and 20 claims per `digits3-bn` lambda, 25 and 9 per
-stations lambda), the Lite0 tail cut after group 6 (about 70 core-hours and 16 claims over its
-two federations), and hFedF's own CNN regime last (60-96 core-hours, 7 claims). Each profile's
-variants run right after its tunes. The first 13 tunes fit about 12 hours of a 2-core machine;
-the whole plan takes several hundred core-hours.
+then `digits3-bn` at lambda 0.1, the stations at lambda 1.0, `digits3-bn` at 1.0 and the stations
+at 0.1 (about 30 core-hours and 20 claims per `digits3-bn` lambda, 25 and 9 per stations lambda),
+the Lite0 tail cut after group 6 (about 100 core-hours and 16 claims over its two federations), and
+hFedF's own CNN regime last (60-96 core-hours, 7 claims). Each profile's variants run right after
+its tunes. The first 13 tunes fit about 12 hours of a 2-core machine; the whole plan takes several
+hundred core-hours.
 
     python scripts/campaign.py --data ~/data                       # everything, in order
     python scripts/campaign.py --data ~/data --profiles pacs-effnet-frozen --methods fedavg fedvr
