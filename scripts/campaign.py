@@ -77,7 +77,11 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
     # momentum 0.1); cut after group 5 (the profile's default, 16 BatchNorm layers) a tune costs
     # 23-47 core-hours on this CPU instead of 4-11 (docs/performance.md): a GPU's cut
     "pacs-effnet-tail": ("configs/protocols/pacs-effnet-tail.yaml", (TAIL_CUT,)),
-    # FISC's own federation (its paper): 100 lambda clients, 20% sampled each round
+    # FISC's own federation (its paper, fisc.md §4): 100 lambda clients, 20% sampled each round,
+    # 50 rounds of batch 32. At the 3-client tail's 30 rounds of batch 64 (about 2 steps per
+    # sampled client) FedAvg was still climbing at 58.8% source validation, 18.7% on sketch
+    # (chance 14.3); at the paper's budget it reaches 80.8% and 44.4% (79.3-80.8% over rounds
+    # 40-50), 223 s a run (2026-11-28, docs/performance.md)
     "pacs-effnet-tail-lam0.1": (
         "configs/protocols/pacs-effnet-tail.yaml",
         (
@@ -86,6 +90,8 @@ PROFILES: dict[str, tuple[str, tuple[str, ...]]] = {
             "partition.n_clients=100",
             "partition.lam=0.1",
             "topology.sample_fraction=0.2",
+            "rounds=50",
+            "train.batch_size=32",
         ),
     ),
     # no final states kept: a hypernetwork generating the 0.93 M-parameter CNN is 46 M
