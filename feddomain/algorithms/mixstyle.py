@@ -136,9 +136,16 @@ def chosen_stages(model: nn.Module, hp: MixStyleHparams) -> tuple[str, ...]:
         raise ConfigError(f"mixstyle {problem}")
     stages = tuple(getattr(model, "stages", ()))
     cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail numbers stages on from it
-    if hp.blocks is None:  # every stage but the last; cut after stage 1, that stage is the cut
-        return (AT_THE_CUT,) * (cut == 1) + stages[:-1]
-    return tuple(AT_THE_CUT if b == cut else stages[b - cut - 1] for b in hp.blocks)
+    return tuple(
+        AT_THE_CUT if b == cut else stages[b - cut - 1] for b in stage_numbers(model, hp.blocks)
+    )
+
+
+def stage_numbers(model: nn.Module, blocks: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The whole model's stage numbers MixStyle follows: ``blocks``, or by default every stage
+    but the last (on a frozen prefix's tail: counted from the whole model's first)."""
+    n_stages = getattr(model, "frozen_stages", 0) + len(tuple(getattr(model, "stages", ())))
+    return tuple(blocks or range(1, n_stages))
 
 
 def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
@@ -147,7 +154,7 @@ def stage_problem(model: nn.Module, hp: Hparams) -> str | None:
     blocks = getattr(hp, "blocks", None)
     known = "small_cnn, lenet5, resnet18, resnet50 and efficientnet_lite0 declare them; not frozen"
     cut = getattr(model, "frozen_stages", 0)  # a frozen prefix's tail: the model's stages cut+1..
-    inside = [b for b in blocks or range(1, cut + len(stages)) if b < cut]
+    inside = [b for b in stage_numbers(model, blocks) if b < cut]
     if inside:
         return (
             f"has MixStyle after stages {inside}, inside the frozen prefix "
@@ -180,11 +187,12 @@ def insert_mixstyle(model: nn.Module, hp: Hparams) -> nn.Module:
     assert isinstance(hp, MixStyleHparams)
     layers = nn.ModuleList()
     for name in chosen_stages(model, hp):
-        if name == AT_THE_CUT:  # hooked on the featurizer, which every method's forward reads
-            layer = MixStyle(hp.p, hp.alpha, hp.eps, where="MixStyle on the tail's input")
+        at_cut = name == AT_THE_CUT
+        where = "MixStyle on the tail's input" if at_cut else f"MixStyle after {name!r}"
+        layer = MixStyle(hp.p, hp.alpha, hp.eps, where=where)
+        if at_cut:  # hooked on the featurizer, which every method's forward reads
             model.featurizer.register_forward_pre_hook(layer.before)
         else:
-            layer = MixStyle(hp.p, hp.alpha, hp.eps, where=f"MixStyle after {name!r}")
             model.get_submodule(name).register_forward_hook(layer.after)
         layers.append(layer)
     model.mixstyle = layers
