@@ -252,7 +252,8 @@ class EvalConfig(Section):
     every: int = Field(5, ge=1)
     """Evaluate every this many rounds (and after the last)."""
     batch_size: int = Field(512, ge=1)
-    """Batch size of evaluation."""
+    """Batch size of evaluation and of a frozen backbone's or prefix's feature pass; outputs do
+    not depend on it beyond float rounding. On a CPU, 16-64 run fastest (docs/performance.md)."""
     selection: Literal["source_val", "last", "oracle"] = "source_val"
     """Which evaluated round a run reports: best source validation, the last, or `oracle`
     (peeks at the target domain; always labelled so)."""

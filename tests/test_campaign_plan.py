@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from feddomain.config import load_config
+from feddomain.config import config_differences, load_config
 from feddomain.evaluation.claims import ClaimSpec
 from feddomain.evaluation.report import METRICS, OPTIONAL_METRICS, RunResult
 
@@ -38,6 +38,62 @@ def test_every_tune_of_the_plan_is_a_valid_configuration(profile, label, overrid
     report row would not carry its label."""
     cfg = load_config(ROOT / CAMPAIGN.PROFILES[profile][0], ["dataset.root=/data", *overrides])
     assert (cfg.algorithm.label or cfg.algorithm.name) == label
+
+
+CAMPAIGN_OUT = ROOT / "results" / "campaign"
+COMMITTED_TUNES = sorted(CAMPAIGN_OUT.glob("*/*/study.db"))
+
+
+@pytest.mark.parametrize(
+    "study", COMMITTED_TUNES, ids=[str(s.parent.relative_to(CAMPAIGN_OUT)) for s in COMMITTED_TUNES]
+)
+def test_every_committed_tune_resumes_under_the_plan_as_it_is_now(study):
+    """Catches a change to a profile's config or to the overrides the plan gives it that the
+    committed tunes did not run with (an evaluation batch size set in the profile's config for
+    its later runs): the next session's resume would refuse the tune, and every later one of
+    the campaign with it."""
+    import optuna
+
+    from feddomain.tune import STUDY_NAME, _as_current
+
+    profile, label = study.parent.parent.name, study.parent.name
+    saved = optuna.load_study(study_name=STUDY_NAME, storage=f"sqlite:///{study}")
+    saved = _as_current(saved.user_attrs["settings"]["config"])
+    planned = load_config(
+        ROOT / CAMPAIGN.PROFILES[profile][0],
+        [f"dataset.root={saved['dataset']['root']}", *TUNE_OVERRIDES[profile, label]],
+    )
+    assert config_differences(saved, planned.to_dict()) == []
+
+
+COMMITTED_VARIANT_RUNS = sorted(
+    run
+    for profile, variants in CAMPAIGN.VARIANTS.items()
+    for label in variants
+    for run in (CAMPAIGN_OUT / profile / label / "confirm").glob("seed=*/*/config.yaml")
+)
+
+
+@pytest.mark.parametrize(
+    "saved",
+    COMMITTED_VARIANT_RUNS,
+    ids=[str(r.parent.relative_to(CAMPAIGN_OUT)) for r in COMMITTED_VARIANT_RUNS],
+)
+def test_every_committed_variant_run_resumes_under_the_plan_as_it_is_now(saved):
+    """Catches the same change for a variant's runs (its base's selection and its own change):
+    the variant's sweep would refuse the run's directory on the next resume."""
+    profile, label = saved.parents[4].name, saved.parents[3].name
+    run = load_config(saved)
+    planned = load_config(
+        ROOT / CAMPAIGN.PROFILES[profile][0],
+        [
+            f"dataset.root={run.dataset.root}",
+            *CAMPAIGN.variant_overrides(CAMPAIGN_OUT, profile, label),
+            f"seed={run.seed}",
+            f"split.targets={list(run.split.targets)}",
+        ],
+    )
+    assert config_differences(run.to_dict(), planned.to_dict()) == []
 
 
 def test_every_claim_names_methods_of_its_profile_and_a_reported_metric():
