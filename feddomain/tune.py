@@ -270,6 +270,31 @@ def _study(out: Path, seed: int) -> optuna.Study:
     )
 
 
+def _settings(
+    cfg: ExperimentConfig, space: dict[str, Dimension], seed: int, objective: Objective
+) -> dict[str, Any]:
+    """What a tune searches, as its study records it (JSON types)."""
+    return json.loads(json.dumps({
+        "config": cfg.to_dict(),
+        "space": {k: d.describe() for k, d in space.items()},
+        "seed": seed,
+        "objective": objective.key,
+    }))  # fmt: skip
+
+
+def check_resumable(
+    out: Path, config: Path, overrides: Sequence[str] = (), *, seed: int = 0, oracle: bool = False
+) -> None:
+    """Refuse, as ``tune`` would on resuming, when the tune saved in ``out`` searched other
+    settings than ``tune(config, overrides, seed=seed, oracle=oracle)`` would; runs nothing."""
+    import optuna
+
+    base = load_config(config, list(overrides))
+    settings = _settings(base, search_space(base, overrides), seed, Objective.of(base, oracle))
+    saved = optuna.load_study(study_name=STUDY_NAME, storage=f"sqlite:///{out / STUDY_FILE}")
+    _refuse_other_settings(out, saved.user_attrs.get("settings") or {}, settings)
+
+
 def _check_settings(
     study: optuna.Study,
     out: Path,
@@ -279,16 +304,15 @@ def _check_settings(
     objective: Objective,
 ) -> None:
     """Record what this tune searches; refuse to resume one that searched something else."""
-    settings = json.loads(json.dumps({
-        "config": cfg.to_dict(),
-        "space": {k: d.describe() for k, d in space.items()},
-        "seed": seed,
-        "objective": objective.key,
-    }))  # fmt: skip
+    settings = _settings(cfg, space, seed, objective)
     saved = study.user_attrs.get("settings")
     if saved is None:
         study.set_user_attr("settings", settings)
         return
+    _refuse_other_settings(out, saved, settings)
+
+
+def _refuse_other_settings(out: Path, saved: dict[str, Any], settings: dict[str, Any]) -> None:
     saved = {**saved, "config": _as_current(saved.get("config"))}
     differ = sorted(k for k in settings if settings[k] != saved.get(k))
     if differ:
