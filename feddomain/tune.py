@@ -292,7 +292,9 @@ def check_resumable(
     base = load_config(config, list(overrides))
     settings = _settings(base, search_space(base, overrides), seed, Objective.of(base, oracle))
     saved = optuna.load_study(study_name=STUDY_NAME, storage=f"sqlite:///{out / STUDY_FILE}")
-    _refuse_other_settings(out, saved.user_attrs.get("settings") or {}, settings)
+    recorded = saved.user_attrs.get("settings")
+    if recorded is not None:  # a study from before settings were recorded: tune adopts it
+        _refuse_other_settings(out, recorded, settings)
 
 
 def _check_settings(
