@@ -127,16 +127,25 @@ ZERO_SHOT = ("algorithm.ood_model=zero_shot",)
 
 
 TEST_MODES = ("fixed", "random", "instance")  # FedFD's test-time statistics besides global
-# HFedATM's client methods (hfedatm.md §7: FedAvg, FedSR, FedIIR clients under +HFedATM / +Avg)
+# HFedATM's client methods (hfedatm.md §7: FedAvg, FedSR, FedIIR clients under +HFedATM / +Avg),
+# cheapest first: FedSR's 1280->1024 layer makes its two tunes 16 of a stations lambda's 25
+# core-hours (docs/performance.md)
 HFEDATM_CLIENTS = {
     "": (),
-    "_fedsr": ("algorithm.client.name=fedsr", "algorithm.client.z_dim=512"),
     "_fediir": ("algorithm.client.name=fediir",),
+    "_fedsr": ("algorithm.client.name=fedsr", "algorithm.client.z_dim=512"),
 }
 
 
 def _plain(*methods: str) -> dict[str, tuple[str, tuple[str, ...]]]:
     return {m: (m, ()) for m in methods}
+
+
+def _station_pair(suffix: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """+HFedATM and +Avg over one client method of HFEDATM_CLIENTS."""
+    return {
+        f"{server}{suffix}": (server, HFEDATM_CLIENTS[suffix]) for server in ("hfedatm", "hfedavg")
+    }
 
 
 METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
@@ -186,14 +195,14 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
     "pacs-effnet-tail-lam0.1": _plain("fedavg", "fisc", "ccst", "feddg_ga"),
     **{
         profile: {
-            **{
-                f"{server}{suffix}": (server, client)
-                for server in ("hfedatm", "hfedavg")
-                for suffix, client in HFEDATM_CLIENTS.items()
-            },
-            # HFedATM's Fig. 2 hierarchical baselines; MTGC's corrections need plain SGD steps
+            # by client method, cheapest first, each +HFedATM beside its +Avg, so that every
+            # pair's verdict comes as early as it can; HFedATM's Fig. 2 hierarchical baselines
+            # after FedAvg clients' pair (MTGC's corrections need plain SGD steps)
+            **_station_pair(""),
             "mtgc": ("mtgc", ("train.momentum=0",)),
             "fedrc": ("fedrc", ()),
+            **_station_pair("_fediir"),
+            **_station_pair("_fedsr"),
         }
         for profile in ("pacs-effnet-frozen-stations-lam1.0", "pacs-effnet-frozen-stations-lam0.1")
     },
