@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from feddomain.algorithms.base import StationAlgorithm, StationContext
+from feddomain.algorithms.fedavg import FedAvgClient
 from feddomain.algorithms.hfedatm import (
     ACTIVE,
     CAPTURE,
+    GramClient,
     HFedATMHparams,
     HierarchicalStation,
 )
 from feddomain.federation.messages import Message
 from feddomain.merging.gram import (
     PREFIX,
+    accumulating,
     check_grams,
     dp_sigma,
     gram_of,
@@ -148,6 +152,72 @@ def test_a9_the_recorded_gram_is_that_of_the_last_full_training_batch():
     assert gram.shape == (5, 5) and torch.equal(gram, gram.T)
     torch.testing.assert_close(gram_of(inputs["0"], 4), torch.diagonal(gram), rtol=1e-5, atol=1e-6)
     assert len(model[0]._forward_pre_hooks) == 1  # only the test's own hook is left
+
+
+def test_accumulated_gram_sums_every_training_batch_and_only_those():
+    """gram_batches: all. Catches: a sum missing the ragged or the first batches, an evaluation
+    forward counted, a Gram of the wrong layer input, the diagonal not kept above max_dim, and a
+    hook left behind. The expected value is computed from an independent logging hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2))
+    logged: dict[int, list[torch.Tensor]] = {0: [], 2: []}
+    for i in logged:
+        model[i].register_forward_pre_hook(
+            lambda m, args, i=i: (
+                logged[i].append(args[0].detach().double().clone())
+                if torch.is_grad_enabled()
+                else None
+            )
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(23, 5)  # batches of 8, 8, 7
+    with accumulating(model, max_dim=4) as sums:
+        for _ in range(2):
+            for start in range(0, 23, 8):
+                loss = model(data[start : start + 8]).pow(2).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        with torch.no_grad():
+            model(torch.randn(8, 5))  # an evaluation pass: not counted
+    assert len(logged[0]) == 6  # 2 epochs of 3 batches, the ragged one included
+    first = sum(x.pow(2).sum(0) for x in logged[0])  # 5 inputs > max_dim 4: the diagonal
+    second = sum(x.T @ x for x in logged[2])
+    assert sums["0"].shape == (5,) and sums["2"].shape == (3, 3)
+    torch.testing.assert_close(sums["0"], first, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums["2"], second, rtol=1e-5, atol=1e-6)
+    assert all(len(model[i]._forward_pre_hooks) == 1 for i in logged)
+
+
+class ThreeBatches(FedAvgClient):
+    """A client method whose training is three batches (8, 8 and a ragged 3 rows)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__(HFedATMHparams())
+        self.data = data
+
+    def run(self, msg, ctx):
+        for start in (0, 8, 16):
+            ctx.model(self.data[start : start + 8]).sum().backward()
+        return Message("fit", {"w": torch.ones(1)}, {"num_examples": 19})
+
+
+@pytest.mark.parametrize("batches", ["last", "all"])
+def test_a_gram_client_sends_the_gram_of_the_batches_it_is_configured_for(batches):
+    """gram_batches on the client. Catches: the option ignored (one batch's Gram sent for
+    `all`, or a sum for the paper's `last`), the ragged batch taken as the last, and the inner
+    method's arrays lost from the reply."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 2))
+    data = torch.randn(19, 4, dtype=torch.float64)
+    client = GramClient(ThreeBatches(data.float()), HFedATMHparams(gram_batches=batches), model)
+    ctx = SimpleNamespace(model=model, batch_size=8, generator=torch.Generator())
+    reply = client.run(Message("fit", {}, {CAPTURE: True}), ctx)
+    rows = data[8:16] if batches == "last" else data
+    torch.testing.assert_close(
+        reply.arrays[PREFIX + "0"].double(), rows.T @ rows, rtol=1e-5, atol=1e-5
+    )
+    assert torch.equal(reply.arrays["w"], torch.ones(1))
 
 
 class Recorder(StationAlgorithm):

@@ -66,6 +66,7 @@ from feddomain.federation.training import get_arrays
 from feddomain.merging.fot import Solver, align
 from feddomain.merging.gram import (
     PREFIX,
+    accumulating,
     check_grams,
     dense_layers,
     dp_sigma,
@@ -125,6 +126,10 @@ class HFedATMHparams(Hparams):
     ridge: float = Field(1e-6, ge=0.0)
     """Relative ridge of the RegMean solve, λ = ridge·tr(Σ_e c_e Ĝ_e)/d_in, pulling towards the
     plain average (an input no station activated keeps the average); 0: none."""
+    gram_batches: Literal["last", "all"] = "last"
+    """Which training batches of the capture round a client's Gram sums: the `last` full one
+    (the paper: m = the mini-batch size) or `all` of them (RegMean's Gram over the client's
+    data, Jin et al. 2022; rank up to the samples seen, not the batch size): an ablation."""
     regmean_weighting: Literal["none", "gamma"] = "none"
     """RegMean's station weights c_e: `none` (c_e = 1, the paper's Eq. 12) or `gamma` (γ_e, the
     station's active clients)."""
@@ -165,14 +170,25 @@ class GramClient(ClientAlgorithm):
         if not msg.scalars.get(CAPTURE):
             return self.inner.run(msg, ctx)
         scalars = {k: v for k, v in msg.scalars.items() if k != CAPTURE}
-        with recording(ctx.model, ctx.batch_size) as inputs:
-            reply = self.inner.run(Message(msg.task, msg.arrays, scalars), ctx)
-        grams = {PREFIX + n: gram_of(x, self.hp.regmean_max_dim) for n, x in inputs.items()}
+        reply, grams = self._capture(Message(msg.task, msg.arrays, scalars), ctx)
         if self.hp.dp_epsilon is not None:
             clip = self.hp.dp_clip
             sigma = dp_sigma(clip, self.hp.dp_epsilon, self.hp.dp_delta)
             grams = {k: privatise(g, clip, sigma, ctx.generator) for k, g in grams.items()}
         return Message(reply.task, {**reply.arrays, **grams}, reply.scalars)
+
+    def _capture(self, msg: Message, ctx: ClientContext) -> tuple[Message, dict[str, Tensor]]:
+        """The inner method's reply and its dense layers' Grams, by array name."""
+        max_dim = self.hp.regmean_max_dim
+        if self.hp.gram_batches == "all":
+            with accumulating(ctx.model, max_dim) as sums:
+                reply = self.inner.run(msg, ctx)
+            grams = {PREFIX + n: g.float() for n, g in sums.items()}
+        else:
+            with recording(ctx.model, ctx.batch_size) as inputs:
+                reply = self.inner.run(msg, ctx)
+            grams = {PREFIX + n: gram_of(x, max_dim) for n, x in inputs.items()}
+        return reply, grams
 
     def uploads(self, n_clients: int) -> Uploads:
         """The client method's uploads plus, once per global round, one Gram per dense layer

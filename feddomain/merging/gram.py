@@ -5,8 +5,9 @@ A client records, for every ``nn.Linear`` l, G_l = XᵀX over the rows of one tr
 of that layer's input X [m, d_in] (an un-normalised sum; Eq. 8): a forward pre-hook keeps the
 input of the latest full-size training batch (grad enabled, so evaluation and BatchNorm
 re-estimation passes are ignored; a ragged last batch only when no full one came), so after
-local training it holds the last full batch of the last epoch. Above ``max_dim`` inputs only the
-diagonal Σ x² is kept ([d_in]), as a 25,088-wide VGG-11 Gram would be 2.5 GB.
+local training it holds the last full batch of the last epoch (the paper's m = the mini-batch
+size); or (``accumulating``) G_l summed over every training batch of the round. Above ``max_dim``
+inputs only the diagonal Σ x² is kept ([d_in]), as a 25,088-wide VGG-11 Gram would be 2.5 GB.
 
 DP (optional, §3.2): spectral-norm clipping to C, then symmetric Gaussian noise (N + Nᵀ)/2 with
 N_ij ~ N(0, σ²), σ = C·sqrt(2 ln(1.25/δ))/ε (the Gaussian mechanism with sensitivity C; not a
@@ -62,6 +63,36 @@ def recording(model: nn.Module, batch_size: int) -> Iterator[dict[str, Tensor]]:
     ]
     try:
         yield inputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def accumulating(model: nn.Module, max_dim: int) -> Iterator[dict[str, Tensor]]:
+    """While open, sum each Linear's input Gram over every training batch (ragged ones too), by
+    module name: float64 sums of float32 per-batch products, the diagonal above ``max_dim``.
+    RegMean's own Gram over a client's data (Jin et al. 2022), where ``recording`` keeps one
+    batch: rank up to the samples seen instead of the batch size."""
+    sums: dict[str, Tensor] = {}
+
+    def hook(name: str):
+        def add(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            if not torch.is_grad_enabled():
+                return
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            gram = (x.pow(2).sum(0) if x.shape[1] > max_dim else x.T @ x).double()
+            sums[name] = gram if name not in sums else sums[name] + gram
+
+        return add
+
+    handles = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
+    try:
+        yield sums
     finally:
         for handle in handles:
             handle.remove()
