@@ -124,6 +124,21 @@ def test_an_indefinite_system_falls_back_to_least_squares_and_says_so():
     torch.testing.assert_close(result.weight @ (2 * g), rhs, atol=1e-10, rtol=0)
 
 
+def train_then_evaluate(model: nn.Module) -> None:
+    """Two epochs of SGD over 23 rows of 5 inputs in batches of 8 (8, 8 and a ragged 7), then
+    one evaluation pass of 8 rows without grad."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(23, 5)
+    for _ in range(2):
+        for start in range(0, 23, 8):
+            loss = model(data[start : start + 8]).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        model(torch.randn(8, 5))
+
+
 def test_a9_the_recorded_gram_is_that_of_the_last_full_training_batch():
     """A9. Catches: a Gram from the wrong batch (the first, or a ragged last one), from an
     evaluation forward (no grad), of the wrong shape, or not XᵀX of the layer's input. The
@@ -134,17 +149,8 @@ def test_a9_the_recorded_gram_is_that_of_the_last_full_training_batch():
     model[0].register_forward_pre_hook(
         lambda m, args: logged.append((args[0].detach().clone(), torch.is_grad_enabled()))
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.randn(23, 5)  # batches of 8: 8, 8, 7 per epoch
     with recording(model, 8) as inputs:
-        for _ in range(2):
-            for start in range(0, 23, 8):
-                loss = model(data[start : start + 8]).pow(2).sum()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        with torch.no_grad():
-            model(torch.randn(8, 5))  # an evaluation pass: ignored
+        train_then_evaluate(model)
     last_full = [x for x, grad in logged if grad and x.shape[0] == 8][-1]
     gram = gram_of(inputs["0"], 4096)
     expected = last_full.double().T @ last_full.double()
@@ -169,17 +175,8 @@ def test_accumulated_gram_sums_every_training_batch_and_only_those():
                 else None
             )
         )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.randn(23, 5)  # batches of 8, 8, 7
     with accumulating(model, max_dim=4) as sums:
-        for _ in range(2):
-            for start in range(0, 23, 8):
-                loss = model(data[start : start + 8]).pow(2).sum()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        with torch.no_grad():
-            model(torch.randn(8, 5))  # an evaluation pass: not counted
+        train_then_evaluate(model)
     assert len(logged[0]) == 6  # 2 epochs of 3 batches, the ragged one included
     first = sum(x.pow(2).sum(0) for x in logged[0])  # 5 inputs > max_dim 4: the diagonal
     second = sum(x.T @ x for x in logged[2])

@@ -18,7 +18,7 @@ the PSD cone (post-processing).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -38,23 +38,17 @@ def gram_shapes(model: nn.Module, max_dim: int) -> dict[str, tuple[int, ...]]:
 
 
 @contextmanager
-def recording(model: nn.Module, batch_size: int) -> Iterator[dict[str, Tensor]]:
-    """While open, keep each Linear's input of the latest full-size (``batch_size`` rows)
-    training batch, by module name (a smaller batch only until a full one comes)."""
-    inputs: dict[str, Tensor] = {}
-    full: dict[str, bool] = {}
+def _training_inputs(model: nn.Module, on_input: Callable[[str, Tensor], None]) -> Iterator[None]:
+    """While open, call ``on_input(name, x)`` with each Linear's input, rows flattened to
+    [m, d_in], in every grad-enabled forward (evaluation and BatchNorm re-estimation passes run
+    without grad and are ignored)."""
 
     def hook(name: str):
-        def keep(module: nn.Module, args: tuple[Tensor, ...]) -> None:
-            if not torch.is_grad_enabled():
-                return
-            x = args[0]
-            is_full = x.shape[0] == batch_size
-            if is_full or not full.get(name, False):
-                inputs[name] = x.detach().reshape(-1, x.shape[-1])
-                full[name] = is_full
+        def seen(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            if torch.is_grad_enabled():
+                on_input(name, args[0].detach().reshape(-1, args[0].shape[-1]))
 
-        return keep
+        return seen
 
     handles = [
         m.register_forward_pre_hook(hook(n))
@@ -62,10 +56,27 @@ def recording(model: nn.Module, batch_size: int) -> Iterator[dict[str, Tensor]]:
         if isinstance(m, nn.Linear)
     ]
     try:
-        yield inputs
+        yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def recording(model: nn.Module, batch_size: int) -> Iterator[dict[str, Tensor]]:
+    """While open, keep each Linear's input of the latest full-size (``batch_size`` rows)
+    training batch, by module name (a smaller batch only until a full one comes)."""
+    inputs: dict[str, Tensor] = {}
+    full: dict[str, bool] = {}
+
+    def keep(name: str, x: Tensor) -> None:
+        is_full = x.shape[0] == batch_size
+        if is_full or not full.get(name, False):
+            inputs[name] = x
+            full[name] = is_full
+
+    with _training_inputs(model, keep):
+        yield inputs
 
 
 @contextmanager
@@ -76,26 +87,12 @@ def accumulating(model: nn.Module, max_dim: int) -> Iterator[dict[str, Tensor]]:
     batch: rank up to the samples seen instead of the batch size."""
     sums: dict[str, Tensor] = {}
 
-    def hook(name: str):
-        def add(module: nn.Module, args: tuple[Tensor, ...]) -> None:
-            if not torch.is_grad_enabled():
-                return
-            x = args[0].detach().reshape(-1, args[0].shape[-1])
-            gram = (x.pow(2).sum(0) if x.shape[1] > max_dim else x.T @ x).double()
-            sums[name] = gram if name not in sums else sums[name] + gram
+    def add(name: str, x: Tensor) -> None:
+        gram = (x.pow(2).sum(0) if x.shape[1] > max_dim else x.T @ x).double()
+        sums[name] = gram if name not in sums else sums[name] + gram
 
-        return add
-
-    handles = [
-        m.register_forward_pre_hook(hook(n))
-        for n, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-    ]
-    try:
+    with _training_inputs(model, add):
         yield sums
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def gram_of(x: Tensor, max_dim: int) -> Tensor:
