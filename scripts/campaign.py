@@ -464,6 +464,16 @@ WHY: dict[tuple[str, str], str] = {
     "without the regulariser: the adapter fits every client, nothing is left to equalise",
     ("pacs-effnet-frozen", "fedvr > fedvr_no_var"): "the regulariser has no loss gap to act on "
     "(the clients' losses ~0.003 after round 150, the row below)",
+    (STATIONS[0], "hfedatm > hfedavg"): "no conv filters in an adapter and head, so FOT does "
+    "nothing and RegMean is the difference: one 64-row Gram against 1280 inputs (J/J_mean 0.69)",
+    (STATIONS[0], "hfedatm_gram_all > hfedavg"): "Grams over every batch recover 1.1 of the "
+    "2.8 points (J/J_mean 0.92); RegMean itself costs the rest on these dense layers",
+    (STATIONS[0], "hfedatm > mtgc"): "MTGC averages its stations' weights as +Avg does; "
+    "RegMean's loss against +Avg is the gap",
+    (STATIONS[0], "hfedatm > fedrc"): "FedRC averages its stations' weights as +Avg does; "
+    "RegMean's loss against +Avg is the gap",
+    (STATIONS[0], "hfedatm_fediir > hfedavg_fediir"): "RegMean's loss as with FedAvg clients "
+    "(J/J_mean 0.61); FedIIR's penalty hardly acts at lambda 1 (+Avg rows match FedAvg's)",
 }
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
