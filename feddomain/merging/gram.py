@@ -88,7 +88,7 @@ def accumulating(model: nn.Module, max_dim: int) -> Iterator[dict[str, Tensor]]:
     sums: dict[str, Tensor] = {}
 
     def add(name: str, x: Tensor) -> None:
-        gram = (x.pow(2).sum(0) if x.shape[1] > max_dim else x.T @ x).double()
+        gram = _product(x, max_dim).double()
         sums[name] = gram if name not in sums else sums[name] + gram
 
     with _training_inputs(model, add):
@@ -97,9 +97,12 @@ def accumulating(model: nn.Module, max_dim: int) -> Iterator[dict[str, Tensor]]:
 
 def gram_of(x: Tensor, max_dim: int) -> Tensor:
     """XᵀX (float64 accumulation, float32 result), or its diagonal above ``max_dim``."""
-    x = x.double()
-    gram = x.pow(2).sum(0) if x.shape[1] > max_dim else x.T @ x
-    return gram.float()
+    return _product(x.double(), max_dim).float()
+
+
+def _product(x: Tensor, max_dim: int) -> Tensor:
+    """XᵀX in ``x``'s dtype, or its diagonal (the squared column sums) above ``max_dim``."""
+    return x.pow(2).sum(0) if x.shape[1] > max_dim else x.T @ x
 
 
 def dp_sigma(clip: float, epsilon: float, delta: float) -> float:
