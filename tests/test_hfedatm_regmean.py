@@ -58,6 +58,18 @@ def test_a5_the_merge_solves_the_normal_equations_and_beats_the_mean():
         assert not result.fallback
 
 
+def test_m4_the_objective_is_the_weighted_trace_by_hand():
+    """M4's J(W) = Σ_e c_e tr((W − W_e) Ĝ_e (W − W_e)ᵀ). Catches: one row's error paired with
+    another's (the sum of every entry of ΔĜΔᵀ instead of its trace: 6 + 40 here), a station's
+    coefficient dropped, and a diagonal-only Gram treated as anything but Σ Δ²·g. By hand:
+    station 1, Δ = [[1, −1], [0, 2]] with Ĝ = [[2, 1], [1, 2]]: 2 + 8 = 10 (coefficient 1);
+    station 2, Δ = [[0, −1], [0, 2]] with diagonal [3, 4]: 4 + 16 = 20 (coefficient 2)."""
+    weight = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    ws = [torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.tensor([[1.0, 1.0], [0.0, 0.0]])]
+    grams = [torch.tensor([[2.0, 1.0], [1.0, 2.0]]), torch.tensor([3.0, 4.0])]
+    assert objective(weight, ws, grams, [1.0, 2.0]) == 10.0 + 2 * 20.0
+
+
 def test_a6_special_cases_by_hand():
     """A6. Catches: (a) a merge that is not the plain mean under a shared Gram, (b) one that moves
     equal weights, (c) α = 1 not being classic RegMean (checked against the least-squares fit of
