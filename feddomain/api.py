@@ -576,12 +576,13 @@ def report(
     against: str | None = None,
     claims: PathLike | None = None,
     bootstrap: bool = False,
+    plots: bool = True,
 ) -> Report:
     """``feddomain report``: the method x target tables over the finished runs under ``dirs``
-    (``report.to_markdown()``); with ``out``, report.md/.csv/.tex and the plots written there
-    (and report.html with ``html``). ``against`` (every other method > it) and ``claims`` (a
-    file of "A > B" / "A < B on METRIC" / "A - B > C - D" lines) add paired 95% intervals and
-    verdicts (t, or a paired bootstrap)."""
+    (``report.to_markdown()``); with ``out``, report.md/.csv/.tex and (``plots``) the plots
+    written there (and report.html with ``html``). ``against`` (every other method > it) and
+    ``claims`` (a file of "A > B" / "A < B on METRIC" / "A - B > C - D" lines) add paired 95%
+    intervals and verdicts (t, or a paired bootstrap)."""
     from feddomain.evaluation.report import build_report, write_html, write_outputs
 
     if not dirs:
@@ -598,7 +599,7 @@ def report(
         bootstrap=bootstrap,
     )
     if out is not None:
-        write_outputs(result, Path(out))
+        write_outputs(result, Path(out), plots=plots)
         if html:
             result.files.append(write_html(result, Path(out) / "report.html"))
     return result

@@ -218,6 +218,11 @@ def _parser() -> argparse.ArgumentParser:
         "--html", action="store_true", help="also write report.html (one self-contained page)"
     )
     rep.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="with --out: the tables only, no PNG/PDF plots (the plots are most of the time)",
+    )
+    rep.add_argument(
         "--against",
         metavar="METHOD",
         help="claims 'M > METHOD' for every other row: paired ood-accuracy difference over "
@@ -427,6 +432,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         against=args.against,
         claims=args.claims,
         bootstrap=args.bootstrap,
+        plots=not args.no_plots,
     )
     print(report.to_markdown())
     if args.out is None:  # a run directory is the run's record: nothing is added unasked
@@ -434,7 +440,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         return
     if args.html:
         console.print(f"HTML report: {args.out / 'report.html'}")
-    console.print(f"tables and plots written to {args.out}")
+    console.print(f"tables{'' if args.no_plots else ' and plots'} written to {args.out}")
 
 
 # --------------------------------------------------------------------------- data

@@ -484,7 +484,8 @@ NOT_TESTED: tuple[tuple[str, str], ...] = (
      "GPU budgets: `feddomain reproduce` prints them beside ours; no GPU was lent here"),
     ("HFedATM: server merge under 10% of a round",
      "a timing, not a paired accuracy: each stations profile's mechanism table gives its "
-     "worst run's server merge as a share of a round"),
+     "worst run's server merge as a share of a round (runs before 2026-11-28 include our "
+     "J-ratio diagnostic in it: docs/performance.md)"),
     ("HFedATM on conv stations (`pacs-effnet-tail`), Amazon Reviews (+7.5-12.4), DP",
      "its six tunes per lambda on the tail would add about 70 core-hours to the campaign here "
      "(4-11 per tune even cut after group 6); no review data or text model offline"),
@@ -613,11 +614,11 @@ def rescore_variant(out: Path, profile: str, label: str, confirm: Path) -> None:
                  profile, label, len(sources), base)  # fmt: skip
 
 
-def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
+def report(out: Path, profile: str, plots: bool = False) -> tuple[list[str], list[str]]:
     """The profile's rows of the claims table (every claim of the profile; untested ones say
     why) and its section of tables, over its complete confirmations only: the method x target
     tables and each claim whose two rows are complete, also into ``out/<profile>/report``
-    (report.md, CSV, plots)."""
+    (report.md, CSV, LaTeX; the plots with ``plots``)."""
     from feddomain import api
 
     done, progress = confirmations(out, profile)
@@ -628,7 +629,7 @@ def report(out: Path, profile: str) -> tuple[list[str], list[str]]:
         claims_file = out / profile / "claims.txt"
         claims_file.write_text("".join(f"{c.text}\n" for c in tested))
         result = api.report(*done.values(), out=out / profile / "report",
-                            claims=claims_file if tested else None)  # fmt: skip
+                            claims=claims_file if tested else None, plots=plots)  # fmt: skip
         verdicts = {c.spec: c for c in result.claims}
         section = profile_section(out, profile, result)
     rows = []
@@ -847,11 +848,15 @@ def main() -> None:
     ap.add_argument(
         "--report", action="store_true",
         help="write each profile's tables and claims from its finished confirmations, and stop",
+    )
+    ap.add_argument(
+        "--plots", action="store_true",
+        help="with --report: also each profile's plots (PNG/PDF) into <out>/<profile>/report",
     )  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.report:
-        reports = [report(args.out, p) for p in PROFILES if p in args.profiles]
+        reports = [report(args.out, p, args.plots) for p in PROFILES if p in args.profiles]
         table = claims_table([row for rows, _ in reports for row in rows])
         if set(args.profiles) == set(PROFILES):  # the whole table, not one profile's rows
             write_claims(args.out, table, [line for _, section in reports for line in section])

@@ -65,7 +65,8 @@ def test_partition_writes_client_by_domain_counts(tmp_path, capsys):
 
 def test_report_reads_runs_and_writes_csv(tmp_path, capsys):
     """Catches a report whose numbers are not the runs' and one that writes into the run
-    directory it was only asked to read (issue 17, item 7)."""
+    directory it was only asked to read (issue 17, item 7), and ``--no-plots`` still drawing the
+    figures or dropping a table with them."""
     run = tmp_path / "runs" / "fedavg"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
@@ -90,6 +91,21 @@ def test_report_reads_runs_and_writes_csv(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["fedavg"]
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "tables")]) == 0
     assert (tmp_path / "tables" / "report.csv").is_file()
+    assert {p.suffix for p in (tmp_path / "tables").iterdir()} == {
+        ".md",
+        ".csv",
+        ".tex",
+        ".png",
+        ".pdf",
+    }
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "t"), "--no-plots"]) == 0
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        "report.csv",
+        "report.md",
+        "report.tex",
+    ]
+    for name in ("report.csv", "report.md", "report.tex"):
+        assert (tmp_path / "t" / name).read_text() == (tmp_path / "tables" / name).read_text()
 
 
 def markdown_rows(text: str, title: str) -> dict[str, list[str]]:

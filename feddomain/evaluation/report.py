@@ -773,8 +773,10 @@ def build_report(
 # Writing
 
 
-def write_outputs(report: Report, out: Path) -> None:
-    """report.md, report.csv and the PNG plots into ``out``; paths appended to ``report.files``."""
+def write_outputs(report: Report, out: Path, plots: bool = True) -> None:
+    """report.md, report.csv, report.tex and (``plots``) the PNG/PDF plots into ``out``; paths
+    appended to ``report.files``. The plots are most of the time (matplotlib's layout and
+    rendering, docs/performance.md): leave them out where only the tables are wanted."""
     out.mkdir(parents=True, exist_ok=True)
     md = out / "report.md"
     md.write_text(report.to_markdown())
@@ -787,6 +789,11 @@ def write_outputs(report: Report, out: Path) -> None:
     tex = out / "report.tex"
     tex.write_text(report.to_latex())
     report.files += [md, table, tex]
+    if plots:
+        _write_plots(report, out)
+
+
+def _write_plots(report: Report, out: Path) -> None:
     by_target = _by_target(report.groups)
     for dataset in report.datasets():
         mine = {t: g for (d, t), g in by_target.items() if d == dataset}
