@@ -261,12 +261,14 @@ def _run(label: str, rejected: int, merges: list[dict], seconds: dict | None = N
 def test_the_mechanism_table_combines_each_rows_runs_and_shows_only_columns_some_row_has():
     """Catches the table summing what it should average (HFedATM's identity fraction: runs of
     0.6 and 0.1 give 35%), averaging the worst merge share (runs of 5% and 10%: 10.0%) or the
-    rejected updates (1 + 2 = 3), and a column for a mechanism no row has (FISC's, FedFD's)."""
+    rejected updates (1 + 2 = 3), a round that keeps our J-ratio diagnostic in it (the second
+    run's 0.4 s merge over 3 + 2 - 1 s, not 5 s: 10.0%, not 8.0%), and a column for a mechanism
+    no row has (FISC's, FedFD's)."""
     merge_a = [{"identity_fraction": 0.5}, {"identity_fraction": 0.7}]
     runs = [
         _run("hfedatm", 1, merge_a, {"train": 9.0, "aggregate": 1.0, "server_merge": 0.5}),
         _run("hfedatm", 2, [{"identity_fraction": 0.1}],
-             {"train": 3.0, "aggregate": 1.0, "server_merge": 0.4}),
+             {"train": 3.0, "aggregate": 2.0, "server_objective": 1.0, "server_merge": 0.4}),
         _run("hfedavg", 0, []),
     ]  # fmt: skip
     _, _, header, _, *rows, _ = CAMPAIGN.mechanism_table(runs)
