@@ -20,7 +20,7 @@ distance under 0.25 keeps its style: its images barely change. Leave split.targe
 every source is some federation's target. Run:
 
     python benchmarks/fisc_premise.py configs/protocols/digits3-bn.yaml dataset.root=/data \
-        algorithm=fisc algorithm.freeze_bn=false split.targets=[mnist_m]
+        algorithm=fisc algorithm.freeze_bn=false
 """
 
 from __future__ import annotations
@@ -66,12 +66,16 @@ def main() -> None:
     hp = resolve_method(cfg.algorithm.name, cfg.algorithm.hparams).hp
     backend = build_backend(hp.backend, hp.encoder_weights, hp.decoder_weights)
     feds = federations(cfg)
-    # a whole domain's images: the target set of the federation that holds it out (in pixels:
-    # under a frozen prefix a target holds the prefix's maps)
-    pixel_cfg = load_config(args.config, [*args.overrides, "model.frozen_prefix=null"])
+    # a whole domain's images: the target set of the federation that holds it out, in pixels
+    # (under a frozen prefix a target holds the prefix's maps, so those are built again without)
+    pixel_feds = feds
+    if cfg.model.frozen_prefix is not None:
+        pixel_feds = federations(
+            load_config(args.config, [*args.overrides, "model.frozen_prefix=null"])
+        )
     domain_styles = {
         domain: style_row(data, backend, "mean", hp.client_style_agg)
-        for fed in federations(pixel_cfg)
+        for fed in pixel_feds
         for domain, data in fed.targets.items()
     }
     for fed in feds:
