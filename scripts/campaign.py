@@ -529,7 +529,10 @@ NOT_TESTED: tuple[tuple[str, str], ...] = (
      "docs/performance.md)"),
     ("HFedATM on conv stations (`pacs-effnet-tail`), Amazon Reviews (+7.5-12.4), DP",
      "its six tunes per lambda on the tail would add about 70 core-hours to the campaign here "
-     "(4-11 per tune even cut after group 6); no review data or text model offline"),
+     "(4-11 per tune even cut after group 6), and they would test RegMean again: on conv "
+     "stations from scratch (Digits3, 3 stations) FOT matched every filter to itself in every "
+     "round, at R = 2, E = 1 and at the paper's R = 5, E = 10 (`benchmarks/fot_identity.py`, "
+     "below); no review data or text model offline"),
     ("FISC: leave-two-domains-out schemes (Tables 1, 6, 7, 10)",
      "tested leave-one-domain-out on digits3-bn and the tail; the schemes run with "
      "`feddomain reproduce fisc`"),
