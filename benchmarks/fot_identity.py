@@ -15,22 +15,24 @@ schedule and at the paper's (R = 5 station rounds of E = 10 local epochs):
     feddomain run configs/protocols/digits3-bn.yaml dataset.root=/data algorithm=hfedatm \
         topology.stations=3 topology.station_rounds=5 train.local_epochs=10 partition.n_clients=12 \
         partition.lam=0.1 "split.targets=[mnist_m]" rounds=3 eval.every=3 --out runs/fot/r5e10
-    python benchmarks/fot_identity.py runs/fot/r2e1 runs/fot/r5e10
+    feddomain run configs/protocols/digits3-bn.yaml dataset.root=/data algorithm=hfedatm \
+        algorithm.fot_solver=exact topology.stations=3 topology.station_rounds=2 \
+        partition.n_clients=12 partition.lam=1.0 "split.targets=[mnist_m]" rounds=10 eval.every=2 \
+        --out runs/fot/r2e1-exact
+    python benchmarks/fot_identity.py runs/fot/r2e1 runs/fot/r5e10 runs/fot/r2e1-exact
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from feddomain.evaluation.report import read_metrics
 
 
 def merge_records(metrics: Path) -> list[dict]:
     """HFedATM's per-round merge diagnostics of one run, in round order."""
-    records = []
-    with metrics.open() as lines:
-        for line in lines:
-            records.extend(json.loads(line).get("diagnostics", {}).get("merge", []))
+    records = [m for r in read_metrics(metrics) for m in r.get("diagnostics", {}).get("merge", [])]
     return sorted(records, key=lambda r: r["round"])
 
 
