@@ -188,13 +188,16 @@ class ServerCrash(Exception):
 
 class LoopbackGrid(Grid):
     """Nodes in this process: node ``i`` (id 100+i) holds ``partition-id`` i; ``silent`` nodes
-    describe themselves but never answer a task (a machine gone after joining); ``broken``
-    nodes answer training with an error (their ClientApp raised)."""
+    describe themselves but never answer a task (a machine gone after joining); ``mute`` nodes
+    are connected but answer nothing, not even the description (a node still busy with an
+    earlier run's task); ``broken`` nodes answer training with an error (their ClientApp
+    raised)."""
 
     def __init__(
         self,
         node_configs: list[dict[str, Any]],
         silent: tuple[int, ...] = (),
+        mute: tuple[int, ...] = (),
         broken: tuple[int, ...] = (),
         crash_in_round: int | None = None,
         run_config: dict[str, Any] | None = None,
@@ -210,6 +213,7 @@ class LoopbackGrid(Grid):
             for i, c in enumerate(node_configs)
         }
         self.silent = {100 + i for i in silent}
+        self.mute = {100 + i for i in mute}
         self.broken = {100 + i for i in broken}
         self.crash_in_round = crash_in_round  # the ServerApp's machine dies sending this round
         self.replies: dict[str, FlowerMessage] = {}
@@ -240,7 +244,7 @@ class LoopbackGrid(Grid):
             node = wire.metadata.dst_node_id
             ids.append(wire.metadata.message_id)
             self.received.append((node, wire.metadata.message_type, wire.metadata.group_id))
-            if node in self.silent and wire.metadata.message_type != "query":
+            if node in self.mute or (node in self.silent and wire.metadata.message_type != "query"):
                 continue
             with torch.random.fork_rng(devices=[]):  # a node's RNG is its own
                 try:
@@ -269,13 +273,14 @@ def deploy_loopback(
     *,
     nodes: list[dict[str, Any]] | None = None,
     silent: tuple[int, ...] = (),
+    mute: tuple[int, ...] = (),
     broken: tuple[int, ...] = (),
     crash_in_round: int | None = None,
     run_config: dict[str, Any] | None = None,
     **settings: Any,
 ) -> LoopbackGrid:
     configs = nodes or [{"partition-id": i} for i in range(cfg.partition.n_clients)]
-    grid = LoopbackGrid(configs, silent, broken, crash_in_round, run_config)
+    grid = LoopbackGrid(configs, silent, mute, broken, crash_in_round, run_config)
     values = {"round_timeout": 30.0, "node_timeout": 5.0, "poll_interval": 0.01, **settings}
     run_deployment(grid, cfg, FlowerSettings(config=DEMO, overrides=(), out=out, **values))
     return grid
@@ -784,8 +789,47 @@ def test_misconfigured_nodes_are_refused_by_name(tmp_path: Path, task_identity: 
     with pytest.raises(FeddomainError, match=r"SuperNode 101 cannot serve this run: .*valid ids"):
         deploy_loopback(cfg, tmp_path / "b", nodes=outside)
     missing = [{"partition-id": 0}, {"partition-id": 2}]
-    with pytest.raises(FeddomainError, match=r"hold clients \[0, 2\] of 3"):
+    with pytest.raises(FeddomainError, match=r"hold clients \[0, 2\] of 3") as gone:
         deploy_loopback(cfg, tmp_path / "c", nodes=missing, node_timeout=0.5)
+    assert "did not answer" not in str(gone.value)  # every connected node answered
+
+
+def test_a_connected_node_that_never_answers_is_named_apart_from_missing_clients(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Catches a discovery timeout that blames a missing SuperNode ("start one SuperNode per
+    client") when the node holding client 1 is connected but answers nothing (still busy with
+    an earlier run's task): the message names the connected, silent node."""
+    with pytest.raises(FeddomainError) as busy:
+        deploy_loopback(demo_config(), tmp_path / "a", mute=(1,), node_timeout=0.5)
+    assert "hold clients [0, 2] of 3" in str(busy.value)
+    assert "connected SuperNode 101 did not answer" in str(busy.value)
+
+
+def test_the_warm_executor_serves_on_after_an_error_and_ends_on_exit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches a node's warm SuperExec ending for good on one unexpected error (a 500 from the
+    node's Runtime API): the node would stay connected but never start another ClientApp, and
+    every later run would wait for it in vain. The error is printed, Flower's loop starts again
+    (without a second parent monitor), and an exit (a signal, the node gone) still ends it."""
+    from feddomain.federation.flower import warm
+
+    calls: list[int | None] = []
+
+    def run_superexec(**kwargs: Any) -> None:
+        calls.append(kwargs["parent_pid"])
+        if len(calls) == 1:
+            raise RuntimeError("500 Internal Server Error from the Runtime API")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(warm.superexec, "get_executor", warm.superexec.get_executor)
+    monkeypatch.setattr(warm.superexec, "run_superexec", run_superexec)
+    with pytest.raises(SystemExit):
+        warm._serve_one(warm.Target("127.0.0.1:9094", parent_pid=4242), retry_after=0)
+    assert calls == [4242, None]
+    err = capsys.readouterr().err
+    assert "SuperExec for 127.0.0.1:9094 failed" in err and "500 Internal Server Error" in err
 
 
 # -------------------------------------------------------------------- processes
@@ -863,8 +907,21 @@ def submit(fed: LocalFederation, out: Path, *overrides: str, **run_config: Any) 
     }
     res = fed.submit(values, timeout=420, name=out.name)
     log = (fed.workdir / f"{out.name}.log").read_text(errors="replace")
-    assert res.returncode == 0, log[-4000:]
-    assert (out / "summary.json").is_file(), log[-4000:]
+    assert res.returncode == 0, log[-4000:] + federation_state(fed)
+    assert (out / "summary.json").is_file(), log[-4000:] + federation_state(fed)
+
+
+def federation_state(fed: LocalFederation) -> str:
+    """Each SuperNode and the warm executor: running or its exit code, and its log's last
+    lines (the ServerApp's log alone cannot say why a node stopped answering)."""
+    parts = []
+    for proc in [*fed.nodes, *([fed.executor] if fed.executor else [])]:
+        code = proc.popen.poll()
+        text = re.sub(r"\x1b\[[0-9;]*m", "", proc.log_text())  # Flower's colour codes
+        tail = [line for line in text.splitlines() if not re.fullmatch(r"\s*(INFO\s*:)?\s*", line)]
+        state = "running" if code is None else f"exited with {code}"
+        parts.append(f"\n--- {proc.name} ({state}):\n" + "\n".join(tail[-12:]))
+    return "".join(parts)
 
 
 def assert_deployed_equals_simulated(out: Path, sim: Simulation, sim_dir: Path) -> None:
@@ -924,15 +981,23 @@ def test_feddomain_flower_run_reports_a_failed_serverapp_instead_of_exit_0(
 
 
 @pytest.mark.slow
-def test_a_stopped_deployed_run_resumes_to_the_uninterrupted_result(
-    insecure_federation: LocalFederation, tmp_path: Path
-) -> None:
+def test_a_stopped_deployed_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
     """Real processes: `flwr stop` ends the ServerApp of a Local-only run in round 3; a new
     Flower run with resume=true goes on from the last checkpoint, each node restoring its
-    client's model from its state-dir, and ends exactly as the simulator's uninterrupted run."""
-    fed = insecure_federation
+    client's model from its state-dir, and ends exactly as the simulator's uninterrupted run.
+    The federation is this test's own: what a stop leaves on the nodes (the stopped run's
+    ClientApps finishing their task) never reaches the tests sharing `insecure_federation`."""
     overrides = ["algorithm.name=local", "rounds=3", "checkpoint.every=1", "eval.every=1"]
     sim = simulate(demo_config(*overrides), tmp_path / "sim")
+    state = {"state-dir": str(tmp_path / "node-state")}  # the nodes keep client state: resumable
+    with LocalFederation(3, tmp_path / "fed", node_config=state) as fed:
+        _stop_and_resume(fed, overrides, sim, tmp_path / "sim")
+    assert session_members(fed.sessions) == []
+
+
+def _stop_and_resume(
+    fed: LocalFederation, overrides: list[str], sim: Simulation, sim_dir: Path
+) -> None:
     out = fed.workdir / "stopped"
     values = {"config": str(DEMO), "overrides": " ".join(repr(o) for o in [*BASE, *overrides])}
     values |= {"out": str(out), "round-timeout": 120.0, "node-timeout": 120.0}
@@ -950,8 +1015,10 @@ def test_a_stopped_deployed_run_resumes_to_the_uninterrupted_result(
     kept = torch.load(out / "checkpoint.pt", weights_only=False)["round"]
     res = fed.submit({"out": str(out), "resume": True}, timeout=420, name="resumed")
     resumed = (fed.workdir / "resumed.log").read_text(errors="replace")
-    assert res.returncode == 0 and f"resumed {out} after round {kept}" in resumed, resumed[-3000:]
-    assert_deployed_equals_simulated(out, sim, tmp_path / "sim")
+    assert res.returncode == 0 and f"resumed {out} after round {kept}" in resumed, (
+        resumed[-3000:] + federation_state(fed)
+    )
+    assert_deployed_equals_simulated(out, sim, sim_dir)
 
 
 @pytest.mark.slow
@@ -1019,9 +1086,7 @@ def test_a_supernode_killed_mid_run_is_named_and_the_run_finishes(
     node_log = fed.nodes[1].log
     seen = len(node_log.read_text(errors="replace"))  # earlier runs' lines do not count
     with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(
-            submit, fed, out, "rounds=4", **{"round-timeout": 15.0, "min-replies": 2}
-        )
+        run = pool.submit(submit, fed, out, "rounds=4", **{"round-timeout": 15.0, "min-replies": 2})
         deadline = time.monotonic() + 300
         while "ROUND 2]" not in node_log.read_text(errors="replace")[seen:]:
             assert not run.done(), "the run ended before round 2 reached node 1"

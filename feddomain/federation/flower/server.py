@@ -188,13 +188,27 @@ def discover(link: NodeLink, split_index: int) -> Federation:
                 return Federation(_site_shell(reference, infos, link.nodes), 1)
             return Federation(_shell_data(reference), int(reference["n_splits"]))
         if time.monotonic() > deadline:
-            wanted = reference["n_clients"] if reference else "?"
-            raise FeddomainError(
-                f"after {settings.node_timeout:g} s, SuperNodes hold clients "
-                f"{sorted(link.nodes)} of {wanted}; start one SuperNode per client with "
-                f"--node-config 'partition-id=N'"
-            )
+            raise _discovery_timeout(link, reference, sorted(set(grid.get_node_ids()) - set(infos)))
         time.sleep(1.0)
+
+
+def _discovery_timeout(
+    link: NodeLink, reference: dict[str, Any] | None, silent: list[int]
+) -> FeddomainError:
+    """Which clients no node holds; a connected node that never answered is named apart from
+    a node that never joined (it may still be busy with an earlier run's task)."""
+    wanted = reference["n_clients"] if reference else "?"
+    held = sorted(link.nodes)
+    why = f"after {link.settings.node_timeout:g} s, SuperNodes hold clients {held} of {wanted}"
+    if silent:
+        names = ", ".join(str(node) for node in silent)
+        why += (
+            f"; connected SuperNode {names} did not answer (still busy with an earlier run's "
+            "task, or its ClientApp cannot start: see its log)"
+        )
+    return FeddomainError(
+        f"{why}; start one SuperNode per client with --node-config 'partition-id=N'"
+    )
 
 
 def _describe(

@@ -20,6 +20,9 @@ import argparse
 import hashlib
 import json
 import os
+import sys
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
@@ -145,15 +148,31 @@ def serve(targets: list[Target]) -> None:
     _serve_one(targets[0])
 
 
-def _serve_one(target: Target) -> None:
+def _serve_one(target: Target, retry_after: float = 1.0) -> None:
+    """Flower's SuperExec loop for one Runtime API, restarted after an unexpected error.
+
+    Flower's loop ends on the first HTTP error it does not retry (a 500 from the node's
+    Runtime API, say): a node whose executor ended stays connected and heartbeating but never
+    starts another ClientApp, so every later run waits for it in vain. The error is printed
+    and the loop goes on; a signal or the node's exit (``SystemExit``) still ends it."""
     executor = ForkExecutor()
     superexec.get_executor = lambda *_, **__: executor  # Flower offers no executor plug-in
-    superexec.run_superexec(
-        runtime_api_address=target.address,
-        insecure=target.root_certificates is None,
-        root_certificates_path=target.root_certificates,
-        parent_pid=target.parent_pid,
-    )
+    parent_pid = target.parent_pid
+    while True:
+        try:
+            superexec.run_superexec(
+                runtime_api_address=target.address,
+                insecure=target.root_certificates is None,
+                root_certificates_path=target.root_certificates,
+                parent_pid=parent_pid,
+            )
+            return
+        except Exception:  # any error but an exit: report it and serve on
+            print(f"SuperExec for {target.address} failed; serving on:", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+        parent_pid = None  # the first call's monitor thread still watches the node
+        time.sleep(retry_after)
 
 
 def main(argv: list[str] | None = None) -> None:
