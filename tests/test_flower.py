@@ -812,7 +812,9 @@ def test_the_warm_executor_serves_on_after_an_error_and_ends_on_exit(
     """Catches a node's warm SuperExec ending for good on one unexpected error (a 500 from the
     node's Runtime API): the node would stay connected but never start another ClientApp, and
     every later run would wait for it in vain. The error is printed, Flower's loop starts again
-    (without a second parent monitor), and an exit (a signal, the node gone) still ends it."""
+    (without a second parent monitor), and an exit (a signal, the node gone) still ends it.
+    Also catches a misconfiguration (an error as the executor starts) retried forever instead
+    of ending the executor with its error."""
     from feddomain.federation.flower import warm
 
     calls: list[int | None] = []
@@ -825,11 +827,16 @@ def test_the_warm_executor_serves_on_after_an_error_and_ends_on_exit(
 
     monkeypatch.setattr(warm.superexec, "get_executor", warm.superexec.get_executor)
     monkeypatch.setattr(warm.superexec, "run_superexec", run_superexec)
+    target = warm.Target("127.0.0.1:9094", parent_pid=4242)
     with pytest.raises(SystemExit):
-        warm._serve_one(warm.Target("127.0.0.1:9094", parent_pid=4242), retry_after=0)
+        warm._serve_one(target, retry_after=0, startup=0)
     assert calls == [4242, None]
     err = capsys.readouterr().err
     assert "SuperExec for 127.0.0.1:9094 failed" in err and "500 Internal Server Error" in err
+    calls.clear()
+    with pytest.raises(RuntimeError, match="500 Internal Server Error"):
+        warm._serve_one(target, retry_after=0, startup=60)  # the same error while starting
+    assert calls == [4242]
 
 
 # -------------------------------------------------------------------- processes

@@ -140,24 +140,33 @@ def serve(targets: list[Target]) -> None:
     print(READY, flush=True)
     for target in targets[1:]:
         if os.fork() == 0:
+            code = 1
             try:
                 die_with_parent()
                 _serve_one(target)
+                code = 0
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else 0
+            except Exception:  # a forked server's error is printed, not lost with os._exit
+                traceback.print_exc()
             finally:
-                os._exit(0)
+                sys.stderr.flush()
+                os._exit(code)
     _serve_one(targets[0])
 
 
-def _serve_one(target: Target, retry_after: float = 1.0) -> None:
+def _serve_one(target: Target, retry_after: float = 1.0, startup: float = 10.0) -> None:
     """Flower's SuperExec loop for one Runtime API, restarted after an unexpected error.
 
     Flower's loop ends on the first HTTP error it does not retry (a 500 from the node's
     Runtime API, say): a node whose executor ended stays connected and heartbeating but never
-    starts another ClientApp, so every later run waits for it in vain. The error is printed
-    and the loop goes on; a signal or the node's exit (``SystemExit``) still ends it."""
+    starts another ClientApp, so every later run waits for it in vain. Such an error is printed
+    and the loop goes on. An error in the first ``startup`` seconds (a missing CA file, a bad
+    address) is a misconfiguration and ends the executor; so do a signal and the node's exit."""
     executor = ForkExecutor()
     superexec.get_executor = lambda *_, **__: executor  # Flower offers no executor plug-in
-    parent_pid = target.parent_pid
+    parent_pid, first = target.parent_pid, True
+    serving_since = time.monotonic()
     while True:
         try:
             superexec.run_superexec(
@@ -168,10 +177,12 @@ def _serve_one(target: Target, retry_after: float = 1.0) -> None:
             )
             return
         except Exception:  # any error but an exit: report it and serve on
+            if first and time.monotonic() - serving_since < startup:
+                raise
             print(f"SuperExec for {target.address} failed; serving on:", file=sys.stderr)
             traceback.print_exc()
             sys.stderr.flush()
-        parent_pid = None  # the first call's monitor thread still watches the node
+        parent_pid, first = None, False  # the first call's monitor thread still watches
         time.sleep(retry_after)
 
 
