@@ -23,9 +23,12 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from queue import Queue
+from typing import NoReturn
 
 import flwr.supercore.superexec.run_superexec as superexec
 import flwr.supernode.runtime.run_clientapp as clientapp_runtime
@@ -60,15 +63,7 @@ class ForkExecutor(SubprocessExecutor):
             return super().launch(spec)
         pid = os.fork()
         if pid == 0:  # the child runs one task and never returns into the loop
-            code = 1
-            try:
-                die_with_parent()  # elsewhere Flower's parent_pid monitor ends it
-                run_task(spec)
-                code = 0
-            except SystemExit as done:
-                code = done.code if isinstance(done.code, int) else 0
-            finally:
-                os._exit(code)
+            run_forked(partial(run_task, spec))
         self.children.add(pid)
         return LaunchResult.accepted()
 
@@ -140,19 +135,26 @@ def serve(targets: list[Target]) -> None:
     print(READY, flush=True)
     for target in targets[1:]:
         if os.fork() == 0:
-            code = 1
-            try:
-                die_with_parent()
-                _serve_one(target)
-                code = 0
-            except SystemExit as done:
-                code = done.code if isinstance(done.code, int) else 0
-            except Exception:  # a forked server's error is printed, not lost with os._exit
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
+            run_forked(partial(_serve_one, target))
     _serve_one(targets[0])
+
+
+def run_forked(work: Callable[[], None]) -> NoReturn:
+    """A forked child's whole life: ``work``, then ``os._exit`` with its exit code (never back
+    into the parent's loop). It dies with its parent (elsewhere Flower's parent_pid monitor
+    ends it); an error is printed first, not lost with ``os._exit``."""
+    code = 1
+    try:
+        die_with_parent()
+        work()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 0
+    except Exception:
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _serve_one(target: Target, retry_after: float = 1.0, startup: float = 10.0) -> None:
@@ -165,8 +167,8 @@ def _serve_one(target: Target, retry_after: float = 1.0, startup: float = 10.0) 
     address) is a misconfiguration and ends the executor; so do a signal and the node's exit."""
     executor = ForkExecutor()
     superexec.get_executor = lambda *_, **__: executor  # Flower offers no executor plug-in
-    parent_pid, first = target.parent_pid, True
-    serving_since = time.monotonic()
+    parent_pid = target.parent_pid
+    serving_since = time.monotonic()  # a restart comes only after `startup`: no error is early
     while True:
         try:
             superexec.run_superexec(
@@ -177,12 +179,12 @@ def _serve_one(target: Target, retry_after: float = 1.0, startup: float = 10.0) 
             )
             return
         except Exception:  # any error but an exit: report it and serve on
-            if first and time.monotonic() - serving_since < startup:
+            if time.monotonic() - serving_since < startup:
                 raise
             print(f"SuperExec for {target.address} failed; serving on:", file=sys.stderr)
             traceback.print_exc()
             sys.stderr.flush()
-        parent_pid, first = None, False  # the first call's monitor thread still watches
+        parent_pid = None  # the first call's monitor thread still watches the node
         time.sleep(retry_after)
 
 
