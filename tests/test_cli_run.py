@@ -147,6 +147,25 @@ def test_a_corrupt_checkpoint_is_named_and_nothing_is_overwritten(small_config, 
     assert (out / "checkpoint.pt").read_bytes() == b"\x80\x02 half a pickle"
 
 
+def test_a_run_committed_mid_way_restarts_from_round_1_without_keeping_its_old_lines(
+    small_config, reference, tmp_path
+):
+    """Catches a restart that appends to the logs it finds: a fresh clone of a campaign
+    committed mid-run holds the run's config and its first rounds' metrics.jsonl lines, but not
+    its git-ignored checkpoint.pt, so `run --resume` starts again from round 1; keeping the
+    old lines would list those rounds twice and let selection pick a stale record."""
+    out = tmp_path / "cloned"
+    out.mkdir()
+    (out / "config.yaml").write_text((reference / "config.yaml").read_text())
+    first = (reference / "metrics.jsonl").read_text().splitlines()[0]
+    stale = json.loads(first) | {"ood_acc": 0.999}  # what no run of this config scores
+    (out / "metrics.jsonl").write_text(json.dumps(stale) + "\n")
+    assert main(["run", "--resume", str(out), "--quiet"]) == 0
+    assert _records(out, "metrics.jsonl") == _records(reference, "metrics.jsonl")
+    assert [r["round"] for r in _records(out, "metrics.jsonl")] == [2, 4]
+    assert _summary(out) == _summary(reference)
+
+
 EXTEND = {
     **SMALL,
     "rounds": 3,  # round 3 is evaluated only as the last: the extension must not keep it
