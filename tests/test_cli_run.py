@@ -157,8 +157,7 @@ def test_a_run_committed_mid_way_restarts_from_round_1_without_keeping_its_old_l
     out = tmp_path / "cloned"
     out.mkdir()
     (out / "config.yaml").write_text((reference / "config.yaml").read_text())
-    first = (reference / "metrics.jsonl").read_text().splitlines()[0]
-    stale = json.loads(first) | {"ood_acc": 0.999}  # what no run of this config scores
+    stale = _records(reference, "metrics.jsonl")[0] | {"ood_acc": 0.999}  # no run scores it
     (out / "metrics.jsonl").write_text(json.dumps(stale) + "\n")
     assert main(["run", "--resume", str(out), "--quiet"]) == 0
     assert _records(out, "metrics.jsonl") == _records(reference, "metrics.jsonl")
