@@ -15,7 +15,7 @@ import feddomain.algorithms.fedrc as fedrc
 from feddomain.algorithms.base import ServerContext, StationContext
 from feddomain.algorithms.hfedatm import ACTIVE
 from feddomain.errors import ConfigError
-from feddomain.federation.data import ClientData
+from feddomain.federation.data import ClientData, Pixels
 from feddomain.federation.messages import Message
 from feddomain.federation.privacy import PrivacyViolation, UploadCheck
 from feddomain.federation.training import get_arrays
@@ -81,6 +81,22 @@ def test_the_data_gaussian_by_hand():
     assert mean.tolist() == [2.0, 0.0] and var.tolist() == [1.0, 4.0]
     with pytest.raises(ValueError, match=r"images \[N, C, H, W\] or features \[N, F\]"):
         fedrc.data_gaussian(ClientData(torch.tensor([[5, 7, 9]]), torch.tensor([0])))
+
+
+def test_frozen_prefix_clients_summarise_their_own_images():
+    """Catches: a frozen-prefix client summarising its cached features (per feature dimension,
+    a D_B summed over 1280 terms that made the weights winner-take-all at lambda 0.1) instead
+    of its images, and the whole dataset's images summarised instead of the client's (index)."""
+    source = torch.tensor(
+        [[[[0, 255]], [[255, 255]]], [[[9, 9]], [[9, 9]]], [[[51, 102]], [[255, 255]]]],
+        dtype=torch.uint8,
+    )  # 3 images, 2 channels, 1x2 pixels; the client holds images 2 and 0
+    features = torch.tensor([[1.0, -2.0, 7.0], [3.0, 2.0, 7.0]])
+    pixels = Pixels(source, torch.tensor([2, 0]), maps=lambda images, variant=None: images)
+    mean, var = fedrc.data_gaussian(ClientData(features, torch.tensor([0, 1]), pixels=pixels))
+    # as in the test above: channel 0 holds {0.2, 0.4, 0, 1}, channel 1 is constant at 1
+    assert torch.allclose(mean, torch.tensor([0.4, 1.0], dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(var, torch.tensor([0.14, 0.0], dtype=torch.float64), atol=1e-12)
 
 
 def test_station_weights_by_hand_on_unequal_clients():

@@ -23,7 +23,8 @@ the stations' sample counts are proportional to their clients (+Avg weighs stati
 
 CHOICES (the paper's text gives the Gaussians and the Bhattacharyya distance, hfedatm.md §6 and
 the HFedATM code the exp(−d/τ) form): statistics of the stored, un-augmented pixels scaled to
-[0, 1] (D_B is invariant to the per-channel normalisation the model sees); each client computes
+[0, 1] (D_B is invariant to the per-channel normalisation the model sees), the client's own
+images in frozen-prefix mode too, where its inputs are cached features; each client computes
 its Gaussian once and keeps it in its state (the data do not change); variances are floored at
 1e-12 (a constant channel); the distances are shifted by their minimum before the exponential
 (the same normalised weights, and none underflows to 0). In a flat federation the server weighs
@@ -68,28 +69,39 @@ Gaussian = tuple[Tensor, Tensor]  # (mean [C], variance [C]), float64
 
 def data_gaussian(data: ClientData) -> Gaussian:
     """Per-channel mean and variance over every pixel of every image ([N, C, H, W]; uint8 read
-    as [0, 1]), or per dimension for feature inputs ([N, F])."""
+    as [0, 1]), or per dimension for feature inputs ([N, F]). In frozen-prefix mode the inputs
+    are prefix maps or features: the client's own images are summarised instead, as FedRC's
+    Gaussian is its data's, and τ's scale is set by 3 channels, not a 1280-dim feature sum."""
+    if data.pixels is not None:
+        source, index = data.pixels.source, data.pixels.index
+        chunks = (source[index[s : s + CHUNK]] for s in range(0, len(index), CHUNK))
+        return _channel_gaussian(chunks, source.shape[1], source.dtype)
     x = data.inputs
     if not (x.dim() == 4 or (x.dim() == 2 and x.is_floating_point())):
         raise ValueError(
             f"fedrc summarises images [N, C, H, W] or features [N, F]; got inputs of shape "
             f"{list(x.shape)} ({x.dtype})"
         )
-    channels = x.shape[1]
-    scale = 255.0 if x.dtype == torch.uint8 else 1.0
-    total = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    chunks = (x[s : s + CHUNK] for s in range(0, x.shape[0], CHUNK))
+    return _channel_gaussian(chunks, x.shape[1], x.dtype)
+
+
+def _channel_gaussian(chunks: Iterator[Tensor], channels: int, dtype: torch.dtype) -> Gaussian:
+    """Population mean and variance of axis 1 over all other axes, accumulated in float64
+    slice by slice (no whole-dataset float copy)."""
+    scale = 255.0 if dtype == torch.uint8 else 1.0
+    total = torch.zeros(channels, dtype=torch.float64)
     squares = torch.zeros_like(total)
     count = 0
-    for start in range(0, x.shape[0], CHUNK):
-        part = x[start : start + CHUNK].double() / scale
-        values = part.transpose(0, 1).reshape(channels, -1)  # [C, values]
-        total += values.sum(1)
-        squares += values.square().sum(1)
+    for chunk in chunks:
+        values = (chunk.double() / scale).transpose(0, 1).reshape(channels, -1)  # [C, values]
+        total += values.sum(1).cpu()
+        squares += values.square().sum(1).cpu()
         count += values.shape[1]
     if not count:
         raise ValueError("fedrc: a client without training data has no Gaussian")
     mean = total / count
-    return mean.cpu(), (squares / count - mean.square()).clamp_min(0).cpu()
+    return mean, (squares / count - mean.square()).clamp_min(0)
 
 
 def barycentre(gaussians: list[Gaussian], counts: list[float]) -> Gaussian:
