@@ -99,6 +99,28 @@ def test_frozen_prefix_clients_summarise_their_own_images():
     assert torch.allclose(var, torch.tensor([0.14, 0.0], dtype=torch.float64), atol=1e-12)
 
 
+def test_frozen_backbone_clients_summarise_the_images_the_image_run_sees(tmp_path):
+    """Catches: frozen-backbone clients (the pacs-effnet-frozen profiles) summarising their
+    cached features, 84 dimensions here, instead of their images' 3 channels; pixels that are
+    not the client's own (index), or in another order than its features (maps of the images
+    must give its inputs). The Gaussians must equal those of the same clients in image mode."""
+    algorithm = {"name": "fedrc", "tau": 1.0}
+    images = run_sim(hierarchical(algorithm, rounds=1), tmp_path / "images")
+    frozen_cfg = hierarchical(
+        algorithm, rounds=1, model__frozen=True, dataset__cache_dir=str(tmp_path / "cache")
+    )
+    frozen = run_sim(frozen_cfg, tmp_path / "frozen")
+    for cid, train in enumerate(frozen.data.train):
+        assert train.inputs.shape[1] == 84  # lenet5's features, not images
+        for key in (fedrc.MEAN, fedrc.VAR):
+            got, want = frozen.states[cid].arrays[key], images.states[cid].arrays[key]
+            assert got.shape == (3,)
+            assert torch.equal(got, want), (cid, key)
+        torch.testing.assert_close(
+            train.pixels.maps(train.pixels.images), train.inputs, rtol=1e-4, atol=1e-5
+        )
+
+
 def test_station_weights_by_hand_on_unequal_clients():
     """Catches: weights without the sample counts, without the Gaussian term or with another
     distance (Euclidean, KL), a barycentre that is not the pooled data's (unweighted, or

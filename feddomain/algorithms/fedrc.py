@@ -24,11 +24,13 @@ the stations' sample counts are proportional to their clients (+Avg weighs stati
 CHOICES (the paper's text gives the Gaussians and the Bhattacharyya distance, hfedatm.md §6 and
 the HFedATM code the exp(−d/τ) form): statistics of the stored, un-augmented pixels scaled to
 [0, 1] (D_B is invariant to the per-channel normalisation the model sees), the client's own
-images in frozen-prefix mode too, where its inputs are cached features; each client computes
-its Gaussian once and keeps it in its state (the data do not change); variances are floored at
-1e-12 (a constant channel); the distances are shifted by their minimum before the exponential
-(the same normalised weights, and none underflows to 0). In a flat federation the server weighs
-the clients themselves.
+images in the cached modes too (frozen prefix, frozen backbone), where its inputs are maps or
+features, so a run weighs its data alike whether the backbone is trained or frozen (features
+would sum D_B over 1280 dimensions, not 3, and τ's range would mean another thing); each
+client computes its Gaussian once and keeps it in its state (the data do not change); variances
+are floored at 1e-12 (a constant channel); the distances are shifted by their minimum before
+the exponential (the same normalised weights, and none underflows to 0). In a flat federation
+the server weighs the clients themselves.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ Gaussian = tuple[Tensor, Tensor]  # (mean [C], variance [C]), float64
 
 def data_gaussian(data: ClientData) -> Gaussian:
     """Per-channel mean and variance over every pixel of every image ([N, C, H, W]; uint8 read
-    as [0, 1]), or per dimension for feature inputs ([N, F]). In frozen-prefix mode the inputs
-    are prefix maps or features: the client's own images are summarised instead, as FedRC's
-    Gaussian is its data's, and τ's scale is set by 3 channels, not a 1280-dim feature sum."""
+    as [0, 1]), or per dimension for feature inputs ([N, F]) that come without images. In the
+    cached modes (``data.pixels``) the client's own images are summarised, not its maps or
+    features: the Gaussian is of its data, and τ's scale is set by 3 channels."""
     if data.pixels is not None:
         source, index = data.pixels.source, data.pixels.index
         chunks = (source[index[s : s + CHUNK]] for s in range(0, len(index), CHUNK))

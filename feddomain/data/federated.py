@@ -216,7 +216,7 @@ def build_federated_data(
         return _subset(inputs, dataset.labels, idx, transform)
 
     def client_train(idx: np.ndarray) -> ClientData:
-        return replace(subset(idx, train_tf), pixels=_prefix_pixels(cfg, dataset, idx))
+        return replace(subset(idx, train_tf), pixels=_source_pixels(cfg, dataset, idx))
 
     n_domains = len(dataset.domains)
     counts = np.stack(
@@ -339,13 +339,18 @@ def _load_site(cfg: ExperimentConfig, root: str, classes: tuple[str, ...]) -> Do
     )
 
 
-def _prefix_pixels(cfg: ExperimentConfig, dataset: DomainDataset, idx: np.ndarray) -> Pixels | None:
-    """Where a client's cached prefix maps came from (None outside cached frozen-prefix mode)."""
-    if cfg.model.frozen_prefix is None or not cfg.model.prefix_cache:
+def _source_pixels(cfg: ExperimentConfig, dataset: DomainDataset, idx: np.ndarray) -> Pixels | None:
+    """Where a client's cached inputs came from: its images and the prefix's maps (cached
+    frozen-prefix mode) or backbone's features (frozen-backbone mode) of changed ones; None
+    where the inputs are the images themselves, or token ids."""
+    n_classes = len(dataset.classes)
+    if cfg.model.frozen and not dataset.is_text:
+        maps = partial(backbone_features, cfg, n_classes=n_classes, cached=True)
+    elif cfg.model.frozen_prefix is not None and cfg.model.prefix_cache:
+        maps = partial(prefix_features, cfg, n_classes=n_classes)
+    else:
         return None
-    index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-    maps = partial(prefix_features, cfg, n_classes=len(dataset.classes))
-    return Pixels(dataset.images, index, maps)
+    return Pixels(dataset.images, torch.from_numpy(np.asarray(idx, dtype=np.int64)), maps)
 
 
 def _subset(
@@ -450,11 +455,17 @@ def _initialised_model(cfg: ExperimentConfig, n_classes: int) -> torch.nn.Module
 
 
 def backbone_features(
-    cfg: ExperimentConfig, images: torch.Tensor, n_classes: int, *, cached: bool
+    cfg: ExperimentConfig,
+    images: torch.Tensor,
+    n_classes: int,
+    *,
+    cached: bool,
+    variant: PixelVariant | None = None,
 ) -> torch.Tensor:
-    """The configured frozen backbone's features of uint8 ``images`` (``cached``: read from, or
-    written to, the feature cache); the same backbone, weights and normalisation for a run's
-    data and for images seen later (`feddomain adapt`)."""
+    """The configured frozen backbone's features of uint8 ``images`` (optionally changed by a
+    deterministic ``variant`` first; ``cached``: read from, or written to, the feature cache);
+    the same backbone, weights and normalisation for a run's data and for images seen later
+    (`feddomain adapt`)."""
     mean, std = backbone_normalization(cfg)
     return FrozenFeatures.compute(
         _initialised_model(cfg, n_classes),
@@ -464,6 +475,7 @@ def backbone_features(
         std=std,
         resolution=cfg.model.backbone_resolution,
         cache_dir=_feature_cache(cfg) if cached else None,
+        variant=variant,
     )
 
 

@@ -17,14 +17,15 @@ UNLABELED = -1  # the label of every image whose label is withheld (a target's p
 
 @dataclass(frozen=True)
 class Pixels:
-    """In frozen-prefix mode, the images a client's cached prefix maps were computed from, and
-    the way to more maps: a method that changes pixels deterministically before the prefix
-    (FISC's and CCST's fixed styles) gets ``maps(images, variant=...)`` of its changed images,
-    computed once per variant and cached like the plain ones."""
+    """In a cached mode (frozen prefix or frozen backbone), the images a client's cached inputs
+    (prefix maps or backbone features) were computed from, and the way to more of them: a method
+    that changes pixels deterministically before the frozen part (FISC's and CCST's fixed styles)
+    gets ``maps(images, variant=...)`` of its changed images, computed once per variant and
+    cached like the plain ones; a method that summarises its data (FedRC) reads ``images``."""
 
     source: torch.Tensor  # uint8 [M, 3, H, W]: the dataset's images (not copied per client)
     index: torch.Tensor  # int64 [N]: this client's, in the order of its ClientData's inputs
-    maps: Callable[..., torch.Tensor]  # (uint8 images, variant=PixelVariant) -> prefix maps
+    maps: Callable[..., torch.Tensor]  # (uint8 images, variant=PixelVariant) -> cached inputs
 
     @property
     def images(self) -> torch.Tensor:
@@ -41,7 +42,7 @@ class ClientData:
 
     ``transform`` turns a sliced batch into model input (augmentation + normalisation for training,
     normalisation only for evaluation); ``None`` passes float features through unchanged.
-    ``pixels``: in frozen-prefix mode, where the inputs (prefix maps) came from.
+    ``pixels``: in a cached mode, where the inputs (prefix maps, backbone features) came from.
     """
 
     inputs: torch.Tensor
