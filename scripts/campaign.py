@@ -518,9 +518,9 @@ WHY: dict[tuple[str, str], str] = {
     "RegMean (J/J_mean 0.54) is the difference; photo carries most of the gap (86.8 against 90.8)",
     (STATIONS[1], "hfedatm > mtgc"): "MTGC averages its stations' weights as +Avg does and "
     "its corrections add 0.9 points over +Avg; RegMean's loss against +Avg is the rest",
-    (STATIONS[1], "hfedatm > fedrc"): "not a test of FedRC as specified: its Gaussians are of "
-    "the cached 1280-dim features, not pixels, so its station weights are winner-take-all (the "
-    "least 3e-10 to 0.003 at the selected τ = 6.07); rerun after the fix",
+    (STATIONS[1], "hfedatm > fedrc"): "RGB Gaussians barely tell the stations apart: at the "
+    "selected τ = 6.07 their weights are 0.31-0.37 and FedRC is +Avg within noise (63.1% ood, "
+    "+0.1 [-0.3, +0.5]); RegMean's loss against +Avg is the gap",
 }
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
