@@ -75,35 +75,37 @@ def data_gaussian(data: ClientData) -> Gaussian:
     cached modes (``data.pixels``) the client's own images are summarised, not its maps or
     features: the Gaussian is of its data, and τ's scale is set by 3 channels."""
     if data.pixels is not None:
-        source, index = data.pixels.source, data.pixels.index
-        chunks = (source[index[s : s + CHUNK]] for s in range(0, len(index), CHUNK))
-        return _channel_gaussian(chunks, source.shape[1], source.dtype)
+        return _channel_gaussian(data.pixels.source, data.pixels.index)
     x = data.inputs
     if not (x.dim() == 4 or (x.dim() == 2 and x.is_floating_point())):
         raise ValueError(
             f"fedrc summarises images [N, C, H, W] or features [N, F]; got inputs of shape "
             f"{list(x.shape)} ({x.dtype})"
         )
-    chunks = (x[s : s + CHUNK] for s in range(0, x.shape[0], CHUNK))
-    return _channel_gaussian(chunks, x.shape[1], x.dtype)
+    return _channel_gaussian(x)
 
 
-def _channel_gaussian(chunks: Iterator[Tensor], channels: int, dtype: torch.dtype) -> Gaussian:
-    """Population mean and variance of axis 1 over all other axes, accumulated in float64
-    slice by slice (no whole-dataset float copy)."""
-    scale = 255.0 if dtype == torch.uint8 else 1.0
-    total = torch.zeros(channels, dtype=torch.float64)
+def _channel_gaussian(source: Tensor, index: Tensor | None = None) -> Gaussian:
+    """Population mean and variance of axis 1 over all other axes of ``source[index]`` (all of
+    ``source`` without an index), accumulated in float64 slice by slice on the data's device
+    (no whole-dataset float copy, one transfer at the end)."""
+    size = source.shape[0] if index is None else len(index)
+    channels = source.shape[1]
+    scale = 255.0 if source.dtype == torch.uint8 else 1.0
+    total = torch.zeros(channels, dtype=torch.float64, device=source.device)
     squares = torch.zeros_like(total)
     count = 0
-    for chunk in chunks:
+    for start in range(0, size, CHUNK):
+        part = slice(start, start + CHUNK)
+        chunk = source[part] if index is None else source[index[part]]
         values = (chunk.double() / scale).transpose(0, 1).reshape(channels, -1)  # [C, values]
-        total += values.sum(1).cpu()
-        squares += values.square().sum(1).cpu()
+        total += values.sum(1)
+        squares += values.square().sum(1)
         count += values.shape[1]
     if not count:
         raise ValueError("fedrc: a client without training data has no Gaussian")
-    mean = total / count
-    return mean, (squares / count - mean.square()).clamp_min(0)
+    mean = total.cpu() / count
+    return mean, (squares.cpu() / count - mean.square()).clamp_min(0)
 
 
 def barycentre(gaussians: list[Gaussian], counts: list[float]) -> Gaussian:
