@@ -528,6 +528,16 @@ WHY: dict[tuple[str, str], str] = {
     "row peaks there at 92-94% by round 25 and falls as the sources are fit; source validation "
     "picks rounds 90-100, where HFedATM with FedSR clients has lost 6.3-10.2 points, MTGC at "
     "most 1.2",
+    (STATIONS[1], "hfedatm_fedsr > hfedavg_fedsr"): "the rows ran at different selected steps "
+    "(lr 0.0015 against 0.0123); +Avg's runs with FedSR clients peak in rounds 5-15 and decay "
+    "(ood 61.3% at the selected rounds, 56.9 by round 100), HFedATM's at the small step less "
+    "(61.4 to 60.1)",
+    (STATIONS[1], "hfedatm_fedsr - hfedavg_fedsr > hfedatm - hfedavg"): "as at lambda 1, it "
+    "leans the claimed way only because FedSR clients cost +Avg 1.7 points (61.3% against "
+    "63.0); HFedATM is at 61.4% with either client",
+    (STATIONS[1], "hfedavg_fedsr > hfedavg"): "photo carries the loss (84.8% against 90.8): "
+    "FedSR's runs peak there at 92-93% in round 5 and have lost 4.9-11.2 points by the rounds "
+    "source validation selects; its lr 0.0015 trial scored 63.6% on seed 0 but ranked 5th of six",
 }
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
