@@ -185,11 +185,15 @@ def tune(
 def reuse_trial_runs(confirm: Sequence[SweepRun], trial: Sequence[SweepRun]) -> None:
     """Copy each finished run of the selected trial into the confirmation run with the same
     resolved config (the tune's own seed), so it is not trained a second time; the copy lands
-    whole or not at all."""
+    whole or not at all. A trial run missing a file the report reads (a fresh clone of
+    committed results has a trial's summary but not its ignored metrics log) is trained again
+    rather than copied into a confirmation the report cannot load."""
+    from feddomain.evaluation.report import RUN_FILES  # late: `--help` need not load matplotlib
+
     finished = {
         json.dumps(r.config, sort_keys=True): r.out
         for r in trial
-        if (r.out / "summary.json").is_file()
+        if all((r.out / name).is_file() for name in RUN_FILES)
     }
     for run in confirm:
         source = finished.get(json.dumps(run.config, sort_keys=True))

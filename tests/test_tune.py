@@ -17,7 +17,7 @@ import yaml
 from feddomain.algorithms.space import LogUniform
 from feddomain.config import load_config
 from feddomain.errors import ConfigError, FeddomainError
-from feddomain.evaluation.report import build_report
+from feddomain.evaluation.report import RUN_FILES, build_report
 from feddomain.sweep import SweepRun, plan, run_sweep
 from feddomain.tune import (
     Objective,
@@ -249,10 +249,31 @@ def test_a_reused_trial_run_keeps_its_evaluated_states_but_not_its_checkpoints(t
     or copied with the checkpoints nothing reads (hundreds of MB a run on hypernetworks)."""
     trial, confirm = tmp_path / "trial", tmp_path / "confirm"
     (trial / "evaluated").mkdir(parents=True)
-    kept = ("summary.json", "evaluated/round_00002.pt")
+    kept = ("summary.json", "metrics.jsonl", "config.yaml", "evaluated/round_00002.pt")
     for name in (*kept, "final_checkpoint.pt", "server_state.pt"):
         (trial / name).write_text(name)
     config = {"seed": 0}
     reuse_trial_runs([SweepRun("seed=0", confirm, config)], [SweepRun("000", trial, config)])
     copied = sorted(p.relative_to(confirm).as_posix() for p in confirm.rglob("*.*"))
     assert copied == sorted(kept)
+
+
+def test_a_trial_run_missing_its_metrics_log_is_trained_again_not_copied(tmp_path):
+    """Catches a seed-0 confirmation copied from a trial run whose ignored metrics log is gone
+    (a fresh clone of committed results resuming the campaign): the copy has summary.json, so
+    the sweep never retrains it, and every report then fails on the run without metrics.jsonl.
+    The whole trial run beside it is still copied."""
+    whole, partial = tmp_path / "trial" / "lodo-a", tmp_path / "trial" / "lodo-b"
+    for run, names in ((whole, RUN_FILES), (partial, ("summary.json", "config.yaml"))):
+        run.mkdir(parents=True)
+        for name in names:
+            (run / name).write_text(name)
+    confirm = tmp_path / "confirm"
+    configs = ({"seed": 0, "target": "a"}, {"seed": 0, "target": "b"})
+    pairs = list(zip((whole, partial), configs, strict=True))
+    reuse_trial_runs(
+        [SweepRun(f"seed=0/{d.name}", confirm / d.name, c) for d, c in pairs],
+        [SweepRun(d.name, d, c) for d, c in pairs],
+    )
+    assert sorted(p.name for p in (confirm / "lodo-a").iterdir()) == sorted(RUN_FILES)
+    assert not (confirm / "lodo-b").exists()
