@@ -542,6 +542,10 @@ WHY: dict[tuple[str, str], str] = {
     (STATIONS[1], "hfedavg_fedsr > hfedavg"): "photo carries the loss (84.8% against 90.8): "
     "FedSR's runs peak there at 92-93% in round 5 and have lost 4.9-11.2 points by the rounds "
     "source validation selects; its lr 0.0015 trial scored 63.6% on seed 0 but ranked 5th of six",
+    ("pacs-effnet-tail", "fedbn > fedavg"): "the local BatchNorm layers act (each client's own "
+    "model 90.3% on its source validation against FedAvg's 86.3; the clients' models spread 3.2 "
+    "points on the unseen domain), but the unseen domain gets their sample-weighted mean, which "
+    "scores as FedAvg's shared layers at the same selected lr",
 }
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
