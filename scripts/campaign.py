@@ -223,6 +223,10 @@ FEDFD_VARIANTS = {
 # RegMean's loss may grow with the client step: in each HFedATM and FedSR-client tune at lambda
 # 1.0 the trial at lr 0.0015 peaks late (rounds 60-95) where the others peak early and decay,
 # and source validation ranks it below them
+# FedSAM's tune selected client lr 0.085, where FedAvg's six draws reached 0.027 at most (and
+# it selected that largest draw): FedAvg at FedSAM's selected lr (BORROWED) tells SAM's step
+# from the larger lr
+LR_VARIANTS = {"pacs-effnet-tail": {"fedavg_fedsam_lr": ("fedavg", ())}}
 STEP_VARIANTS = {
     "hfedatm_lr0.0015": ("hfedatm", ("train.lr=0.0015",)),
     "hfedavg_lr0.0015": ("hfedavg", ("train.lr=0.0015",)),
@@ -253,7 +257,7 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedvr_parameter_average": ("fedvr", ("algorithm.ood_model=parameter_average",)),
         "fedvr_mean_embedding": ("fedvr", ("algorithm.ood_model=mean_embedding",)),
     },
-    **{profile: FEDFD_VARIANTS for profile in BN_PROFILES},
+    **{profile: FEDFD_VARIANTS | LR_VARIANTS.get(profile, {}) for profile in BN_PROFILES},
     # hfedatm > hfedavg is refuted at lambda 1.0 (FedAvg clients, no conv filters: RegMean is
     # the whole difference): each client's Gram from every batch of its capture round instead
     # of the paper's one mini-batch (64 rows against 1280 inputs); and, at lambda 1.0, HFedATM
@@ -272,6 +276,7 @@ BORROWED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("pacs-effnet-frozen", "hfedf_pfedhn_server"): (
         "pfedhn", ("train.lr", "algorithm.lr_s", "algorithm.wd_s"),
     ),
+    ("pacs-effnet-tail", "fedavg_fedsam_lr"): ("fedsam", ("train.lr",)),
 }  # fmt: skip
 
 
@@ -333,6 +338,8 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     "pacs-effnet-tail": (
         "fedfd > silobn", "fedfd > fedavg", "fedfd_a > fedfd", "fedbn > fedavg",
         "mixstyle > fedavg", "fedsam > fedavg", "feddg_ga > fedavg", *FEDFD_ABLATIONS,
+        # the experiment behind fedsam > fedavg: SAM's step or the larger lr its tune drew
+        "fedsam > fedavg_fedsam_lr", "fedavg_fedsam_lr > fedavg",
     ),
     "pacs-effnet-tail-lam0.1": ("fisc > fedavg", "fisc > ccst", "fisc > feddg_ga"),
 }  # fmt: skip
@@ -399,6 +406,10 @@ STATEMENTS: dict[str, str] = {
     "fediir > fedavg": "HFedATM Table 1, PACS lambda 1: FedIIR+Avg 81.22 vs FedAvg+Avg 76.80",
     "scaffold > fedavg": "no seed table: a drift-corrected FedAvg, in the issue's baseline list",
     "fedsam > fedavg": "FedFD's table, PACS: FedSAM 78.58 vs FedAvg 77.35",
+    "fedsam > fedavg_fedsam_lr": "(experiment) FedSAM against FedAvg at FedSAM's selected "
+    "client lr, everything else FedAvg's selection",
+    "fedavg_fedsam_lr > fedavg": "(experiment) FedAvg at FedSAM's selected client lr against "
+    "FedAvg as tuned (its six draws reached 0.027 at most)",
     "fisc > fedavg": "FISC Table 2 has no FedAvg row; FISC beats every baseline (PACS 80.37)",
     "fisc > fedavg_sampled": "FISC Table 2 has no FedAvg row; FISC beats every baseline (PACS "
     "80.37); FedAvg under FISC's client sampling (50%)",
@@ -632,11 +643,11 @@ def borrowed_overrides(out: Path, profile: str, label: str) -> list[str] | None:
 
 def variant_change(profile: str, label: str) -> str:
     """What variant ``label`` changes in its base's selection, in words."""
-    changed = " ".join(VARIANTS[profile][label][1])
+    changes = [" ".join(VARIANTS[profile][label][1])]
     if (profile, label) in BORROWED:
         method, keys = BORROWED[profile, label]
-        changed += f" and {method}'s selected {', '.join(keys)}"
-    return changed
+        changes.append(f"{method}'s selected {', '.join(keys)}")
+    return " and ".join(change for change in changes if change)
 
 
 def run_variant(out: Path, profile: str, label: str, data: Path, jobs: int) -> None:
