@@ -567,7 +567,7 @@ WHY: dict[tuple[str, str], str] = {
     "in every seed (+3.2); neither moves the mean over the unseen domains",
     ("pacs-effnet-tail", "fedavg_fedsam_lr > fedavg"): "the larger lr fits the sources better "
     "(source validation +0.9 [+0.3, +1.6]; 86.0% at seed 0 against the 84.9 of the lr FedAvg's "
-    "tune selected, so its six draws missed its best lr) without moving the unseen domains",
+    "tune selected, so its six draws missed a better lr) without moving the unseen domains",
     ("pacs-effnet-tail", "fedsam > fedavg_fedsam_lr"): "at the same lr SAM's step still raises "
     "source validation (+0.7 [+0.4, +1.0]) and cartoon in every seed (+1.1), not the mean over "
     "the unseen domains",
