@@ -220,13 +220,13 @@ FEDFD_VARIANTS = {
     **{f"fedfd_test_{m}": ("fedfd", (f"algorithm.test_mode={m}",)) for m in TEST_MODES},
     **{f"fedfd_u{u}": ("fedfd", (f"algorithm.u={u}",)) for u in ("0", "0.5", "1")},
 }
-# RegMean's loss may grow with the client step: in each HFedATM and FedSR-client tune at lambda
-# 1.0 the trial at lr 0.0015 peaks late (rounds 60-95) where the others peak early and decay,
-# and source validation ranks it below them
 # FedSAM's tune selected client lr 0.085, where FedAvg's six draws reached 0.027 at most (and
 # it selected that largest draw): FedAvg at FedSAM's selected lr (BORROWED) tells SAM's step
 # from the larger lr
 LR_VARIANTS = {"pacs-effnet-tail": {"fedavg_fedsam_lr": ("fedavg", ())}}
+# RegMean's loss may grow with the client step: in each HFedATM and FedSR-client tune at lambda
+# 1.0 the trial at lr 0.0015 peaks late (rounds 60-95) where the others peak early and decay,
+# and source validation ranks it below them
 STEP_VARIANTS = {
     "hfedatm_lr0.0015": ("hfedatm", ("train.lr=0.0015",)),
     "hfedavg_lr0.0015": ("hfedavg", ("train.lr=0.0015",)),
