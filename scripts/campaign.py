@@ -835,6 +835,17 @@ def _merge_share(run: RunResult) -> float | None:
     return seconds["server_merge"] / method_round
 
 
+def _ga_shift(run: RunResult) -> float | None:
+    """FedDG-GA: how far the selected round's aggregation weights sit from FedAvg's (the
+    participants' sample shares, where its weights start), the largest over the clients."""
+    ga = run.selected.get("diagnostics", {}).get("ga")
+    if not ga:
+        return None
+    sizes = [sum(run.summary["client_domain_counts"][c]) for c in ga["clients"]]
+    total = sum(sizes)
+    return 100 * max(abs(w - n / total) for w, n in zip(ga["weights"], sizes, strict=True))
+
+
 # whether each row's mechanism acted in its confirmation runs: (column, value of one run or
 # None where the method has none, how the runs combine, format)
 MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...] = (
@@ -857,6 +868,8 @@ MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...
                         for v in m.get("regmean_ratio", {}).values()]), "mean", "{:.2f}"),
     ("server merge / round (train + aggregate), worst run",
      _merge_share, "max", "{:.1%}"),
+    ("FedDG-GA: largest weight off the sample shares, selected round (points)",
+     _ga_shift, "mean", "{:.1f}"),
     ("FedFD: CAFL / CE at the selected round",
      lambda run: run.selected.get("diagnostics", {}).get("loss_terms", {}).get("cafl_over_ce"),
      "mean", "{:.3g}"),

@@ -279,6 +279,26 @@ def test_the_mechanism_table_combines_each_rows_runs_and_shows_only_columns_some
     assert rows == ["| hfedatm | 3 | 35% | 10.0% |", "| hfedavg | 0 | — | — |"]
 
 
+def test_the_ga_column_measures_the_selected_weights_against_the_participants_sample_shares():
+    """Catches FedDG-GA's mechanism column measuring against shares over every client instead
+    of the round's participants (client 1 of sizes 100, 200, 300 left out: shares 0.25, 0.75),
+    against uniform weights, at the last round instead of the selected one, or summing where
+    it averages: weights 0.40, 0.60 sit 15 points off, 0.25, 0.75 none: 7.5 over the runs."""
+    def ga_run(weights: list[float]) -> RunResult:
+        summary = {"rejected_updates": [], "client_domain_counts": [[100, 0], [0, 200], [300, 0]]}
+        ga = {"clients": [0, 2], "weights": weights, "gaps": [0.1, -0.1], "step": 0.1}
+        selected = {"round": 5, "diagnostics": {"ga": ga}}
+        last = {"round": 10, "diagnostics": {"ga": {**ga, "weights": [0.9, 0.1]}}}
+        return RunResult(Path("ga"), "feddg_ga", "PACS", ("sketch",), 0, selected,
+                         [selected, last], summary)  # fmt: skip
+
+    runs = [ga_run([0.40, 0.60]), ga_run([0.25, 0.75]), _run("fedavg", 0, [])]
+    _, _, header, _, *rows, _ = CAMPAIGN.mechanism_table(runs)
+    assert header.endswith("| FedDG-GA: largest weight off the sample shares, selected round "
+                           "(points) |")  # fmt: skip
+    assert rows == ["| fedavg | 0 | — |", "| feddg_ga | 0 | 7.5 |"]
+
+
 def test_a_rescored_variant_is_its_bases_runs_scored_again_and_its_sweep_trains_nothing(
     tmp_path, monkeypatch
 ):
