@@ -870,6 +870,9 @@ MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...
      _merge_share, "max", "{:.1%}"),
     ("FedDG-GA: largest weight off the sample shares, selected round (points)",
      _ga_shift, "mean", "{:.1f}"),
+    ("FedDG-GA: largest weight, selected round",
+     lambda run: max(ga["weights"]) if (ga := run.selected.get("diagnostics", {}).get("ga"))
+     else None, "mean", "{:.2f}"),
     ("FedFD: CAFL / CE at the selected round",
      lambda run: run.selected.get("diagnostics", {}).get("loss_terms", {}).get("cafl_over_ce"),
      "mean", "{:.3g}"),

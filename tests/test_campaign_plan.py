@@ -283,7 +283,8 @@ def test_the_ga_column_measures_the_selected_weights_against_the_participants_sa
     """Catches FedDG-GA's mechanism column measuring against shares over every client instead
     of the round's participants (client 1 of sizes 100, 200, 300 left out: shares 0.25, 0.75),
     against uniform weights, at the last round instead of the selected one, or summing where
-    it averages: weights 0.40, 0.60 sit 15 points off, 0.25, 0.75 none: 7.5 over the runs."""
+    it averages: weights 0.45, 0.55 sit 20 points off, 0.25, 0.75 none: 10.0 over the runs;
+    the largest weights 0.55 and 0.75 average 0.65, not the last round's 0.90."""
     def ga_run(weights: list[float]) -> RunResult:
         summary = {"rejected_updates": [], "client_domain_counts": [[100, 0], [0, 200], [300, 0]]}
         ga = {"clients": [0, 2], "weights": weights, "gaps": [0.1, -0.1], "step": 0.1}
@@ -292,11 +293,11 @@ def test_the_ga_column_measures_the_selected_weights_against_the_participants_sa
         return RunResult(Path("ga"), "feddg_ga", "PACS", ("sketch",), 0, selected,
                          [selected, last], summary)  # fmt: skip
 
-    runs = [ga_run([0.40, 0.60]), ga_run([0.25, 0.75]), _run("fedavg", 0, [])]
+    runs = [ga_run([0.45, 0.55]), ga_run([0.25, 0.75]), _run("fedavg", 0, [])]
     _, _, header, _, *rows, _ = CAMPAIGN.mechanism_table(runs)
     assert header.endswith("| FedDG-GA: largest weight off the sample shares, selected round "
-                           "(points) |")  # fmt: skip
-    assert rows == ["| fedavg | 0 | — |", "| feddg_ga | 0 | 7.5 |"]
+                           "(points) | FedDG-GA: largest weight, selected round |")  # fmt: skip
+    assert rows == ["| fedavg | 0 | — | — |", "| feddg_ga | 0 | 10.0 | 0.65 |"]
 
 
 def test_a_rescored_variant_is_its_bases_runs_scored_again_and_its_sweep_trains_nothing(
