@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from feddomain.evaluation.claims import ClaimSpec
 from feddomain.evaluation.report import METRIC_TITLES, METRICS, Report, RunResult
@@ -835,10 +836,15 @@ def _merge_share(run: RunResult) -> float | None:
     return seconds["server_merge"] / method_round
 
 
+def _diagnostic(run: RunResult, key: str) -> Any:
+    """The method's own diagnostic ``key`` at the run's selected round (None without one)."""
+    return run.selected.get("diagnostics", {}).get(key)
+
+
 def _ga_shift(run: RunResult) -> float | None:
     """FedDG-GA: how far the selected round's aggregation weights sit from FedAvg's (the
     participants' sample shares, where its weights start), the largest over the clients."""
-    ga = run.selected.get("diagnostics", {}).get("ga")
+    ga = _diagnostic(run, "ga")
     if not ga:
         return None
     sizes = [sum(run.summary["client_domain_counts"][c]) for c in ga["clients"]]
@@ -871,10 +877,10 @@ MECHANISMS: tuple[tuple[str, Callable[[RunResult], float | None], str, str], ...
     ("FedDG-GA: largest weight off the sample shares, selected round (points)",
      _ga_shift, "mean", "{:.1f}"),
     ("FedDG-GA: largest weight, selected round",
-     lambda run: max(ga["weights"]) if (ga := run.selected.get("diagnostics", {}).get("ga"))
-     else None, "mean", "{:.2f}"),
+     lambda run: max(ga["weights"]) if (ga := _diagnostic(run, "ga")) else None,
+     "mean", "{:.2f}"),
     ("FedFD: CAFL / CE at the selected round",
-     lambda run: run.selected.get("diagnostics", {}).get("loss_terms", {}).get("cafl_over_ce"),
+     lambda run: (_diagnostic(run, "loss_terms") or {}).get("cafl_over_ce"),
      "mean", "{:.3g}"),
 )  # fmt: skip
 COMBINE: dict[str, Callable[[list[float]], float | None]] = {
