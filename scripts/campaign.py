@@ -590,18 +590,18 @@ WHY: dict[tuple[str, str], str] = {
     ("pacs-effnet-tail", "fedfd > silobn"): "the diversification acts (CAFL 6.6 times CE at "
     "the selected rounds, mean over the 12 runs; its six trials all above every SiloBN and "
     "FedAvg trial on source validation), gaining on photo and sketch in every seed; SiloBN "
-    "leads on source "
-    "validation (-0.3 [-0.7, +0.0]), where each client scores with its own statistics; the gap "
-    "is the paper's in sign, smaller (+2.8 against +3.3), the mixing here in one trained stage",
+    "leads on source validation (-0.3 [-0.7, +0.0]), where each client scores with its own "
+    "statistics; the gap is the paper's in sign, smaller (+2.8 against +3.3), the mixing here "
+    "in one trained stage",
     ("pacs-effnet-tail", "fedfd > fedavg"): "+2.6 against the paper's +6.7: FedFD's gain over "
     "SiloBN plus SiloBN's tie with FedAvg here (-0.1 [-0.3, +0.1]; the paper has SiloBN +3.4 "
     "over FedAvg with a whole ResNet-18's BatchNorm layers local, this profile one stage's)",
     ("pacs-effnet-tail", "fedfd > fedfd_test_fixed"): "half of each test sample's own "
     "statistics adapts the trained stage's normalisation to the unseen domain: art, cartoon "
-    "and sketch gain in every seed (+1.3 to +6.4), photo, nearest the sources' statistics, "
-    "loses (-0.4 to -1.4), ECE -5.2 [-8.0, -2.4]; source validation prefers it too (+0.6 "
-    "[+0.1, +1.1]), so no target is needed to choose it; the poster mixes in every layer of a "
-    "whole ResNet-18, this profile in one stage over 4x4 maps",
+    "and sketch gain in every seed (+1.3 to +6.4), photo loses (-0.4 to -1.4), ECE -5.2 "
+    "[-8.0, -2.4]; source validation prefers it too (+0.6 [+0.1, +1.1]), so no target is "
+    "needed to choose it; the poster mixes in every layer of a whole ResNet-18, this profile "
+    "in one stage over 4x4 maps",
     ("pacs-effnet-tail", "fedfd > fedfd_test_random"): "a random weight per layer and sample "
     "is the same adaptation at half the weight on average: art, cartoon and sketch gain in "
     "every seed (+0.1 to +5.0), photo loses (-1.3 to -2.5), and it sits between global and "
