@@ -588,8 +588,8 @@ WHY: dict[tuple[str, str], str] = {
     "validation; on the unseen domains art gains in every seed (+1.1 to +1.3) and cartoon "
     "loses in two (-2.9, -3.7), the mean within noise",
     ("pacs-effnet-tail", "fedfd > silobn"): "the diversification acts (CAFL 6.6 times CE at "
-    "the selected rounds, mean over the 12 runs; its six trials all above every SiloBN and "
-    "FedAvg trial on source validation), gaining on photo and sketch in every seed; SiloBN "
+    "the selected rounds, mean over the 12 runs; its six trials all above every FedAvg trial "
+    "on source validation), gaining on photo and sketch in every seed; SiloBN "
     "leads on source validation (-0.3 [-0.7, +0.0]), where each client scores with its own "
     "statistics; the gap is the paper's in sign, smaller (+2.8 against +3.3), the mixing here "
     "in one trained stage",
