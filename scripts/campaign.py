@@ -610,9 +610,9 @@ WHY: dict[tuple[str, str], str] = {
     "cost 5.3 points (64.3%), no collapse like the poster's 12.97 for a CE-trained model: "
     "they replace one stage's statistics only; art and photo lose most (-5.2 to -11.8), "
     "cartoon ties",
-    ("pacs-effnet-tail", "fedfd > fedfd_u0.5"): "a fresh mixing weight per sample against a fixed "
-    "half: sketch gains in every seed (+1.3 to +5.8), photo too (+0.6 to +0.8); source "
-    "validation agrees (+1.3 [+0.9, +1.7]), the paper's gap was +0.64",
+    ("pacs-effnet-tail", "fedfd > fedfd_u0.5"): "a fresh mixing weight per layer and forward pass "
+    "against a fixed half: sketch gains in every seed (+1.3 to +5.8), photo too (+0.6 to "
+    "+0.8); source validation agrees (+1.3 [+0.9, +1.7]), the paper's gap was +0.64",
     ("pacs-effnet-tail", "fedfd_u0.5 > fedfd_u0"): "the mixing of instance statistics is FedFD's "
     "gain: with global statistics only it ties SiloBN (+0.2 [-1.0, +1.5]) and FedAvg; cartoon "
     "gains in every seed (+1.8 to +3.8), photo loses (-0.1 to -0.8), and source validation "
