@@ -259,6 +259,9 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedvr_mean_embedding": ("fedvr", ("algorithm.ood_model=mean_embedding",)),
     },
     **{profile: FEDFD_VARIANTS | LR_VARIANTS.get(profile, {}) for profile in BN_PROFILES},
+    # FedDG-GA's tune selected client lr 0.085 and FedAvg's six draws reached 0.027 at most:
+    # FedAvg at FedDG-GA's lr (BORROWED) tells the reweighting from the larger lr
+    "pacs-effnet-tail-lam0.1": {"fedavg_feddg_ga_lr": ("fedavg", ())},
     # hfedatm > hfedavg is refuted at lambda 1.0 (FedAvg clients, no conv filters: RegMean is
     # the whole difference): each client's Gram from every batch of its capture round instead
     # of the paper's one mini-batch (64 rows against 1280 inputs); and, at lambda 1.0, HFedATM
@@ -278,6 +281,7 @@ BORROWED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
         "pfedhn", ("train.lr", "algorithm.lr_s", "algorithm.wd_s"),
     ),
     ("pacs-effnet-tail", "fedavg_fedsam_lr"): ("fedsam", ("train.lr",)),
+    ("pacs-effnet-tail-lam0.1", "fedavg_feddg_ga_lr"): ("feddg_ga", ("train.lr",)),
 }  # fmt: skip
 
 
@@ -344,7 +348,11 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         # FedDG-GA's tune selected FedSAM's lr: the same variant isolates its reweighting
         "feddg_ga > fedavg_fedsam_lr",
     ),
-    "pacs-effnet-tail-lam0.1": ("fisc > fedavg", "fisc > ccst", "fisc > feddg_ga"),
+    "pacs-effnet-tail-lam0.1": (
+        "fisc > fedavg", "fisc > ccst", "fisc > feddg_ga",
+        # the experiment behind fisc > feddg_ga: FedDG-GA's reweighting or its larger lr
+        "feddg_ga > fedavg_feddg_ga_lr", "fedavg_feddg_ga_lr > fedavg",
+    ),
 }  # fmt: skip
 
 
@@ -415,6 +423,10 @@ STATEMENTS: dict[str, str] = {
     "both tunes selected (FedSAM's and FedDG-GA's, 0.0846): the reweighting alone",
     "fedavg_fedsam_lr > fedavg": "(experiment) FedAvg at FedSAM's selected client lr against "
     "FedAvg as tuned (its six draws reached 0.027 at most)",
+    "feddg_ga > fedavg_feddg_ga_lr": "(experiment) FedDG-GA against FedAvg at FedDG-GA's "
+    "selected client lr (0.0846): the reweighting alone",
+    "fedavg_feddg_ga_lr > fedavg": "(experiment) FedAvg at FedDG-GA's selected client lr "
+    "against FedAvg as tuned (its six draws reached 0.027 at most)",
     "fisc > fedavg": "FISC Table 2 has no FedAvg row; FISC beats every baseline (PACS 80.37)",
     "fisc > fedavg_sampled": "FISC Table 2 has no FedAvg row; FISC beats every baseline (PACS "
     "80.37); FedAvg under FISC's client sampling (50%)",
