@@ -165,13 +165,13 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
     "pacs-hfedf-cnn": _plain(
         "fedavg",
         "fedprox",
-        "local",
         "hfedf",
         "pfedhn",
         "hfedf_no_gradalign",
         "hfedf_no_ema",
         "fedsr",
         "fedgma",
+        "local",  # the paper's Local-only row: in no claim, so last
     ),
     **{
         profile: {
