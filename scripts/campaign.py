@@ -14,7 +14,7 @@ campaign's cost"): the frozen-feature profile (its cheap methods before FedSAM, 
 then `digits3-bn` at lambda 0.1, the stations at lambda 1.0, `digits3-bn` at 1.0 and the stations
 at 0.1 (about 30 core-hours and 20 claims per `digits3-bn` lambda, 25 and 9 per stations lambda),
 the Lite0 tail cut after group 6 (about 100 core-hours and 16 claims over its two federations), and
-hFedF's own CNN regime last (60-96 core-hours, 7 claims). Each profile's variants run right after
+hFedF's own CNN regime last (60-96 core-hours, 8 claims). Each profile's variants run right after
 its tunes. The first 13 tunes fit about 12 hours of a 2-core machine; the whole plan takes several
 hundred core-hours.
 
@@ -324,6 +324,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     "pacs-hfedf-cnn": (
         "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
         "hfedf > fedprox", "hfedf > fedsr", "hfedf > fedgma",
+        "hfedf < pfedhn on client_ood_std",  # refuted on frozen features: here, its own regime?
     ),
     "digits3-bn-lam1.0": DIGITS_CLAIMS + FEDFD_ABLATIONS,
     "digits3-bn-lam0.1": DIGITS_CLAIMS + FEDFD_ABLATIONS,
