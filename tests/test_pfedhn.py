@@ -69,3 +69,27 @@ def test_client_order_is_a_seeded_random_permutation():
     assert all(sorted(o) == list(range(5)) for o in a)
     assert len({tuple(o) for o in a}) > 1
     assert a == orders(0) and a != orders(1)
+
+
+def test_server_grad_clip_bounds_the_step_to_the_global_norm_and_leaves_small_steps_alone():
+    """Catches a server clip applied per tensor instead of globally, to the step after the
+    optimiser instead of the gradient, or applied to gradients already below the bound."""
+    hp = algorithm_hparams(
+        "pfedhn",
+        {"hidden": 4, "lr_s": 1.0, "wd_s": 0.0, "server_momentum": 0.0, "server_grad_clip": 5.0},
+    )
+    server = PFedHNServer(ServerContext(tiny_model, 3, seed=0, rounds=1), hp)
+    params = server.trainable()
+    # every entry 1: the global norm is sqrt(n); each tensor alone is below it
+    n = sum(p.numel() for p in params)
+    assert n > 25
+    before = [p.detach().clone() for p in params]
+    server.apply([torch.ones_like(p) for p in params])
+    moved = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, params, strict=True)])
+    # SGD, lr 1: the move is the clipped gradient, every entry 5 / sqrt(n)
+    torch.testing.assert_close(moved, torch.full_like(moved, 5.0 / n**0.5), rtol=1e-5, atol=0)
+    small = [torch.full_like(p, 0.5 / n**0.5) for p in params]  # global norm 0.5 < 5
+    before = [p.detach().clone() for p in params]
+    server.apply(small)
+    for b, p, g in zip(before, params, small, strict=True):
+        torch.testing.assert_close(b - p.detach(), g, rtol=1e-5, atol=1e-7)

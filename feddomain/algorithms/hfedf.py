@@ -77,6 +77,9 @@ class HypernetworkHparams(Hparams):
     """Coupled L2 weight decay on the hypernetwork and its conditioning (table or encoder)."""
     server_momentum: float = Field(0.0, ge=0.0)
     """Momentum of the server's SGD (SGD only)."""
+    server_grad_clip: float | None = Field(None, gt=0.0)
+    """Clip the hypernetwork's gradient to this global norm before each server step (pFedHN's
+    reference code clips to 50); null: no clipping, as hFedF's paper describes none."""
     ood_model: OodModel = "own"
     """Which model the unseen (target) domain is scored with: `own` (each client's generated
     model, ood = their mean: the hFedF paper's protocol), `mean_embedding` (the model generated
@@ -495,8 +498,11 @@ class HypernetworkServer(ServerAlgorithm):
 
     def apply(self, grads: list[Tensor]) -> None:
         """One optimiser step with ``grads`` (aligned with ``trainable()``)."""
-        for p, g in zip(self.trainable(), grads, strict=True):
+        params = self.trainable()
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.view_as(p)
+        if self.hp.server_grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.hp.server_grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.after_step()
