@@ -72,8 +72,8 @@ def test_client_order_is_a_seeded_random_permutation():
 
 
 def test_server_grad_clip_bounds_the_step_to_the_global_norm_and_leaves_small_steps_alone():
-    """Catches a server clip applied per tensor instead of globally, to the step after the
-    optimiser instead of the gradient, or applied to gradients already below the bound."""
+    """Catches a server clip applied per tensor instead of globally, a clip that is never
+    applied, or one that rescales gradients already below the bound."""
     hp = algorithm_hparams(
         "pfedhn",
         {"hidden": 4, "lr_s": 1.0, "wd_s": 0.0, "server_momentum": 0.0, "server_grad_clip": 5.0},
