@@ -273,9 +273,9 @@ VARIANTS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
             ),
         ),
         # pFedHN's SGD server step (momentum 0.9, clipped) leaves all six trials near chance
-        # (source validation 21-37%); hFedF's paper gives its hypernetwork Adam "for training
-        # stability" (§C.7): pFedHN's sequential steps with Adam, unclipped, at pFedHN's own
-        # Table 10 PACS values (client lr 1e-3, lr_s 1e-2, wd_s 1e-3)
+        # (source validation 21-37%); hFedF's paper gives its hypernetwork Adam "for improved
+        # training stability" (§C.7): pFedHN's sequential steps with Adam, unclipped, at
+        # pFedHN's own Table 10 PACS values (client lr 1e-3, lr_s 1e-2, wd_s 1e-3)
         "pfedhn_adam": (
             "pfedhn",
             (
@@ -322,14 +322,18 @@ FEDFD_ABLATIONS = (
     "fedfd > fedfd_test_fixed", "fedfd > fedfd_test_random",
     "fedfd_test_fixed > fedfd_test_random", "fedfd > fedfd_test_instance",
 )  # fmt: skip
+# hFedF's claims, tested on both its profiles
+HFEDF_CLAIMS = (
+    "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
+    "hfedf > fedprox", "hfedf > fedsr", "hfedf > fedgma",  # the rest of its Table 2
+    "hfedf < pfedhn on client_ood_std",  # hfedf.md §2.5: near-identical client models
+    "hfedf > local", "hfedf < local on client_ood_std",  # hfedf.md B2, B3: Local-only
+)  # fmt: skip
 # profile -> the papers' claims it tests, as docs/results.md lists: "A > B" (ood accuracy) or
 # "A < B on METRIC" (labels of METHODS; feddomain.evaluation.claims.ClaimSpec)
 CLAIMS: dict[str, tuple[str, ...]] = {
     "pacs-effnet-frozen": (
-        "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
-        "hfedf > fedprox", "hfedf > fedsr", "hfedf > fedgma",  # the rest of its Table 2
-        "hfedf < pfedhn on client_ood_std",  # hfedf.md §2.5: near-identical client models
-        "hfedf > local", "hfedf < local on client_ood_std",  # hfedf.md B2, B3: Local-only
+        *HFEDF_CLAIMS,
         *(f"fedvr > {m}" for m in ("fedavg", "fedprox", "pfedhn", "hfedf", "fedsr", "fedgma")),
         "fedvr > fedvr_no_var",
         "fedvr < fedvr_no_var on client_loss_var_last50",  # fedvr.md B2: the regulariser's target
@@ -349,10 +353,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "fedavg > fedgma",  # the one seed table with both (hFedF's) orders FedGMA below
     ),
     "pacs-hfedf-cnn": (
-        "hfedf > fedavg", "hfedf > pfedhn", "hfedf > hfedf_no_gradalign", "hfedf > hfedf_no_ema",
-        "hfedf > fedprox", "hfedf > fedsr", "hfedf > fedgma",
-        "hfedf < pfedhn on client_ood_std",  # refuted on frozen features; tested in its regime
-        "hfedf > local", "hfedf < local on client_ood_std",
+        *HFEDF_CLAIMS,  # on frozen features and in the paper's own regime
         # the paper's own values against the tune's selection and against FedAvg
         "hfedf_table10 > fedavg", "hfedf_table10 > hfedf", "hfedf_table10 > fedprox",
         # pFedHN with hFedF's Adam server step, which trains in this regime
@@ -725,6 +726,9 @@ WHY: dict[tuple[str, str], str] = {
     "so the trunk's gradient (182-507) dwarfs the heads' (14-19) and the clip throttles the "
     "heads; on frozen features, where it trains, cosine 0.03-0.07 and trunk and heads alike. "
     "With Adam it trains (pfedhn_adam, below: 61.7% source validation) and ties hFedF",
+    ("pacs-hfedf-cnn", "hfedf < pfedhn on client_ood_std"): "pFedHN's clients' models agree "
+    "to 0.0 points because its hypernetwork learns almost nothing, client-specific least (the "
+    "row above); hFedF's spread, 0.7 (0.1-2.5), is near the paper's ±0.3-1.3",
     ("pacs-hfedf-cnn", "hfedf_table10 > fedavg"): "at the paper's values hFedF fits the "
     "sources better than at its tune's selection (the row below) and its clients' models agree "
     "(spread 0.14 points, 0.03-0.34; the paper ±0.3), yet it stays within noise of FedAvg: level "
@@ -744,9 +748,6 @@ WHY: dict[tuple[str, str], str] = {
     "by 3.2 (1.7-4.4): the paper's quasi-global family holds against the same optimiser (the "
     "two also differ in their values: lr_s 0.020 against 0.01); its ablations (queued) tell "
     "GradAlign from EMA",
-    ("pacs-hfedf-cnn", "hfedf < pfedhn on client_ood_std"): "pFedHN's clients' models agree "
-    "to 0.0 points because its hypernetwork learns almost nothing, client-specific least (the "
-    "row above); hFedF's spread, 0.7 (0.1-2.5), is near the paper's ±0.3-1.3",
 }
 # the papers' claims no profile of this plan tests, and why
 NOT_TESTED: tuple[tuple[str, str], ...] = (
