@@ -727,7 +727,7 @@ WHY: dict[tuple[str, str], str] = {
     "heads; on frozen features, where it trains, cosine 0.03-0.07 and trunk and heads alike. "
     "With Adam it trains (pfedhn_adam, below: 61.7% source validation) and ties hFedF",
     ("pacs-hfedf-cnn", "hfedf < pfedhn on client_ood_std"): "pFedHN's clients' models agree "
-    "to 0.0 points because its hypernetwork learns almost nothing, client-specific least (the "
+    "to 0.01 points because its hypernetwork learns almost nothing, client-specific least (the "
     "row above); hFedF's spread, 0.7 (0.1-2.5), is near the paper's ±0.3-1.3",
     ("pacs-hfedf-cnn", "hfedf_table10 > fedavg"): "at the paper's values hFedF fits the "
     "sources better than at its tune's selection (the row below) and its clients' models agree "
