@@ -723,7 +723,7 @@ WHY: dict[tuple[str, str], str] = {
     "server step (momentum 0.9, clipped at 50) leaves it at 37.2% source validation (hFedF 58.0) "
     "and 20.2% on the unseen domains (chance 14.3). Half of each client's update shrinks the "
     "generated weights (cosine 0.45-0.61; they start at 6.6 times the CNN's own initial norm), "
-    "so the trunk's gradient (182-507) dwarfs the heads' (14-19) and the clip throttles the "
+    "so the trunk's gradient (182-508) dwarfs the heads' (14-19) and the clip throttles the "
     "heads; on frozen features, where it trains, cosine 0.03-0.07 and trunk and heads alike. "
     "With Adam it trains (pfedhn_adam, below: 61.7% source validation) and ties hFedF",
     ("pacs-hfedf-cnn", "hfedf < pfedhn on client_ood_std"): "pFedHN's clients' models agree "
