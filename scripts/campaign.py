@@ -747,7 +747,7 @@ WHY: dict[tuple[str, str], str] = {
     "keeps its clients' models together (0.7 points), pFedHN's sequential Adam steps spread them "
     "by 3.2 (1.7-4.4): the paper's quasi-global family holds against the same optimiser (the "
     "two also differ in their values: lr_s 0.020 against 0.01); not GradAlign (without it the "
-    "spread is 0.24, its row above); the EMA ablation, queued, tells the rest",
+    "spread is 0.24, its row above); the EMA ablation, confirming, tells the rest",
     ("pacs-hfedf-cnn", "hfedf > hfedf_no_gradalign"): "a clean ablation: the two tunes drew the "
     "same values and selected the same trial (client lr 0.0007, lr_s 0.020, wd_s 7.5e-5, EMA "
     "0.928; the paired trials scored within 3.8 points, three collapsing alike). Level on source "
