@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 from torch import Tensor
@@ -35,9 +37,10 @@ def norm(tensors: list[Tensor]) -> float:
     return float(torch.linalg.vector_norm(flat([t.double() for t in tensors])))
 
 
-def instrument(rows: list[dict[str, Any]], reference: dict[str, float]) -> Callable[[], None]:
-    """Wrap the shared server's VJP and step to log one row per step (and the norm of the
-    model's own initialisation into ``reference``); returns the undo."""
+@contextmanager
+def probed(rows: list[dict[str, Any]], reference: dict[str, float]) -> Iterator[None]:
+    """Within the block, the shared server's VJP and step log one row per step (and the norm
+    of the model's own initialisation into ``reference``)."""
     gradients, apply = HypernetworkServer.gradients, HypernetworkServer.apply
 
     def probed_gradients(self: HypernetworkServer, deltas: dict) -> Any:
@@ -50,7 +53,7 @@ def instrument(rows: list[dict[str, Any]], reference: dict[str, float]) -> Calla
         rows.append(
             {
                 "client": cid,
-                "norm": norm(list(phi.values())),
+                "norm": norm([weights]),
                 "largest": float(weights.abs().max()),
                 "cosine": float(torch.nn.functional.cosine_similarity(update, weights, dim=0)),
             }
@@ -60,22 +63,20 @@ def instrument(rows: list[dict[str, Any]], reference: dict[str, float]) -> Calla
     def probed_apply(self: HypernetworkServer, grads: list[Tensor]) -> None:
         n_cond = sum(p.requires_grad for p in self.hnet.conditioning())
         n_trunk = len(list(self.hnet.trunk.parameters()))
-        total = norm(grads)
         clip = self.hp.server_grad_clip
         rows[-1] |= {
             "nu": norm(grads[:n_cond]) if n_cond else 0.0,
             "trunk": norm(grads[n_cond : n_cond + n_trunk]),
             "heads": norm(grads[n_cond + n_trunk :]),
-            "clip_scale": min(1.0, clip / total) if clip is not None else 1.0,
+            "clip_scale": min(1.0, clip / norm(grads)) if clip is not None else 1.0,
         }
         apply(self, grads)
 
-    HypernetworkServer.gradients, HypernetworkServer.apply = probed_gradients, probed_apply
-
-    def undo() -> None:
-        HypernetworkServer.gradients, HypernetworkServer.apply = gradients, apply
-
-    return undo
+    with (
+        patch.object(HypernetworkServer, "gradients", probed_gradients),
+        patch.object(HypernetworkServer, "apply", probed_apply),
+    ):
+        yield
 
 
 def main() -> None:
@@ -91,12 +92,8 @@ def main() -> None:
     (data,) = federations(cfg)
     rows: list[dict[str, Any]] = []
     reference: dict[str, float] = {}
-    undo = instrument(rows, reference)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            Simulation(cfg, data, Path(out)).run()
-    finally:
-        undo()
+    with probed(rows, reference), tempfile.TemporaryDirectory() as out:
+        Simulation(cfg, data, Path(out)).run()
     print(f"# {args.config} {' '.join(args.overrides)}; {args.rounds} rounds")
     print(f"norm of the model's own initialisation: {reference['init']:.1f}")
     header = ("step", "client", "‖φ‖/‖φ_init‖", "max φ", "cos(Δ, φ)", "‖g_ν‖", "‖g_trunk‖")
