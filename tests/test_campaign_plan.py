@@ -300,6 +300,24 @@ def test_the_ga_column_measures_the_selected_weights_against_the_participants_sa
     assert rows == ["| fedavg | 0 | — | — |", "| feddg_ga | 0 | 10.0 | 0.65 |"]
 
 
+def test_the_gma_columns_average_the_selected_rounds_mask_over_the_runs():
+    """Catches FedGMA's mechanism columns reading the last round instead of the selected one
+    (0.10 and 0.95 there), summing where they average, or swapping the two statistics: masked
+    shares 0.70 and 0.80 at the selected rounds give 75%, mean masks 0.40 and 0.60 give 0.50."""
+    def gma_run(masked: float, mean_mask: float) -> RunResult:
+        selected = {"round": 5, "diagnostics": {"gma": {"masked_fraction": masked,
+                                                        "mean_mask": mean_mask}}}
+        last = {"round": 10, "diagnostics": {"gma": {"masked_fraction": 0.1, "mean_mask": 0.95}}}
+        return RunResult(Path("gma"), "fedgma", "PACS", ("sketch",), 0, selected,
+                         [selected, last], {"rejected_updates": []})  # fmt: skip
+
+    runs = [gma_run(0.7, 0.4), gma_run(0.8, 0.6), _run("fedavg", 0, [])]
+    _, _, header, _, *rows, _ = CAMPAIGN.mechanism_table(runs)
+    assert header.endswith("| FedGMA: coordinates whose step the mask scales down (m < 1), "
+                           "selected round | FedGMA: mean mask, selected round |")  # fmt: skip
+    assert rows == ["| fedavg | 0 | — | — |", "| fedgma | 0 | 75% | 0.50 |"]
+
+
 def test_a_rescored_variant_is_its_bases_runs_scored_again_and_its_sweep_trains_nothing(
     tmp_path, monkeypatch
 ):
