@@ -199,7 +199,9 @@ METHODS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
         "fedfd": ("fedfd", (*FEDFD_MEAN_CAFL, *KEEP_EVALUATED)),
         "fedfd_a": ("fedfd_a", FEDFD_MEAN_CAFL),
     },
-    "pacs-effnet-tail-lam0.1": _plain("fedavg", "fisc", "ccst", "feddg_ga", "fedgma", "fpl"),
+    "pacs-effnet-tail-lam0.1": _plain(
+        "fedavg", "fisc", "ccst", "feddg_ga", "fedgma", "fpl", "fedsr"
+    ),
     **{
         profile: {
             # by client method, cheapest first, each +HFedATM beside its +Avg, so that every
@@ -387,6 +389,7 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     ),
     "pacs-effnet-tail-lam0.1": (
         "fisc > fedavg", "fisc > ccst", "fisc > feddg_ga", "fisc > fedgma", "fisc > fpl",
+        "fisc > fedsr",
         # the experiment behind fisc > feddg_ga: FedDG-GA's reweighting or its larger lr
         "feddg_ga > fedavg_feddg_ga_lr", "fedavg_feddg_ga_lr > fedavg",
     ),
@@ -820,11 +823,11 @@ NOT_TESTED: tuple[tuple[str, str], ...] = (
      "stations from scratch (Digits3, 3 stations) FOT matched every filter to itself in every "
      "round, at R = 2, E = 1 and at the paper's R = 5, E = 10 (`benchmarks/fot_identity.py`, "
      "below); no review data or text model offline"),
-    ("FISC on the tail (`pacs-effnet-tail-lam0.1`) against FedSR and its ablations v1-v3",
-     "each is tested at both lambdas on digits3-bn (above); on the tail the plan takes FISC's "
-     "five nearest baselines (FedAvg, CCST, FedDG-GA, FedGMA, FPL): an ablation there costs "
-     "FISC's tune and confirmation, 2.2 core-hours, FedSR about 1.8 (its 17 MB update a "
-     "client against FedAvg's 4); `--methods` runs them once added to the plan"),
+    ("FISC on the tail (`pacs-effnet-tail-lam0.1`) against its ablations v1-v3",
+     "each is tested at both lambdas on digits3-bn (above); on the tail the plan takes FISC "
+     "against its baselines (FedAvg, CCST, FedDG-GA, FedGMA, FPL, FedSR): an ablation there "
+     "costs FISC's tune and confirmation again, 2.2 core-hours; `--methods` runs them once "
+     "added to the plan"),
     ("FISC: leave-two-domains-out schemes (Tables 1, 6, 7, 10)",
      "tested leave-one-domain-out on digits3-bn and the tail; the schemes run with "
      "`feddomain reproduce fisc`"),
