@@ -714,7 +714,7 @@ WHY: dict[tuple[str, str], str] = {
     "matches FedDG-GA), which FISC's tune drew too (source validation 79.7, ranked fourth) but "
     "did not select; cartoon loses in every seed (-1.7 to -2.0), sketch in two of three",
     ("pacs-effnet-tail-lam0.1", "fisc > fedgma"): "the gap is FedGMA's throttled step, not "
-    "FISC: with 20 clients a round the mask scales 93-97% of the coordinates (mean mask 0.27; "
+    "FISC: with 20 clients a round the mask scales 93-97% of the coordinates (mean mask 0.28; "
     "independent signs give 0.18), so its server step is about a quarter of FedAvg's and 50 "
     "rounds leave it under-trained (source validation 68.6%, -13.2 [-14.4, -11.9] below "
     "FedAvg, selected at round 50 in every run); it is below FedAvg on the unseen domains too",
